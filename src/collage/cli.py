@@ -1,0 +1,64 @@
+"""The ``collage`` command line.
+
+Subcommands live next to the code they drive; each such module exposes
+``register(subparsers)`` which adds its parsers and sets ``func`` on them. Errors that a user
+can fix (bad flags, unreadable files, impossible sizes) are printed as one line, with exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+
+# Modules that add subcommands; each has register(subparsers).
+SUBCOMMAND_MODULES = (
+    "collage.train.commands",
+    "collage.bench",
+)
+
+
+class UsageError(Exception):
+    """A mistake in the user's input: printed as one line, exit status 2, no traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="collage",
+        description="Train in pure bf16 without fp32 master weights: compare precision "
+        "strategies, estimate memory, benchmark optimizers.",
+    )
+    parser.add_argument("--version", action="version", version=f"collage {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if error.name != name:  # a real missing dependency inside the module
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except (UsageError, FileNotFoundError, PermissionError, IsADirectoryError) as error:
+        print(f"collage {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"collage {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
