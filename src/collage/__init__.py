@@ -1,7 +1,28 @@
-"""torch-collage: pure low-precision training without fp32 master weights."""
+"""torch-collage: pure low-precision training without fp32 master weights.
+
+``collage.AdamW(model.parameters(), strategy="plus")`` trains a bf16 model with Collage-plus;
+see ``docs/strategies.md`` for the strategies and ``collage.mcf`` for the arithmetic.
+"""
 
 __version__ = "0.1.0"
 
 from . import mcf  # noqa: E402
+from .optim import (  # noqa: E402
+    SGD,
+    STRATEGIES,
+    AdamW,
+    Lion,
+    consolidate,
+    load_full_precision,
+)
 
-__all__ = ["__version__", "mcf"]
+__all__ = [
+    "SGD",
+    "STRATEGIES",
+    "AdamW",
+    "Lion",
+    "__version__",
+    "consolidate",
+    "load_full_precision",
+    "mcf",
+]

@@ -1,0 +1,23 @@
+"""Update-quality metrics (how much of each intended update reached the weights) and sinks.
+
+``edq`` and ``imprecision`` work on any tensors; :class:`UpdateStats` accumulates them per key
+on device, reduces them across ranks with one ``all_reduce`` and reports a flat dict with one
+host sync; the sinks write such dicts to CSV, JSON lines or TensorBoard. Definitions and how
+to read the numbers: ``docs/metrics.md``.
+"""
+
+from .sinks import CSVWriter, JSONLinesWriter, MetricsCallback, TensorBoardWriter
+from .stats import FAMILIES, FIELDS, UpdateStats, edq, imprecision, module_family
+
+__all__ = [
+    "CSVWriter",
+    "FAMILIES",
+    "FIELDS",
+    "JSONLinesWriter",
+    "MetricsCallback",
+    "TensorBoardWriter",
+    "UpdateStats",
+    "edq",
+    "imprecision",
+    "module_family",
+]

@@ -1,0 +1,423 @@
+"""The optimizer class: gathers tensors, validates input, dispatches to the kernels.
+
+One class per update rule (``AdamW``, ``SGD``, ``Lion``) over this base; the precision
+strategy is a parameter (and a per-group key), never a subclass.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from . import kernels
+from .rules import Rule
+from .strategies import Strategy, check_weight, get_strategy
+
+__all__ = ["CollageOptimizer", "NONFINITE_POLICIES"]
+
+NONFINITE_POLICIES = ("skip", "raise", "ignore")
+_PATHS = ("reference", "foreach", "fused")
+
+
+def _local(tensor):
+    """The local shard of a DTensor (FSDP2), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _number(value: Any, name: str) -> float:
+    """A hyperparameter as a Python float; 0-d tensors (e.g. a tensor lr) are accepted."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got shape "
+                             f"{tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _flat_views(param, grad, state):
+    """1-D views of a parameter, its gradient and its state (None if one is not contiguous),
+    so that one dynamic-shape compilation serves tensors of every rank."""
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if not all(t.is_contiguous() for t in (param, grad, *tensors.values())):
+        return None
+    flat_state = dict(state)
+    flat_state.update({k: v.view(-1) for k, v in tensors.items()})
+    return param.view(-1), grad.reshape(-1), flat_state
+
+
+class CollageOptimizer(Optimizer):
+    """Base of the precision-aware optimizers (see ``collage.AdamW`` for the arguments)."""
+
+    rule: Rule
+    # GradScaler sets ``grad_scale`` and ``found_inf`` on us and calls step(): we unscale in
+    # float32 registers (fp16 gradients never need an fp16 unscale) and skip on overflow.
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable,
+        defaults: dict[str, Any],
+        *,
+        strategy: str,
+        foreach: bool | None,
+        fused: bool | None,
+        track_updates: bool | int,
+        nonfinite: str,
+        seed: int,
+    ) -> None:
+        get_strategy(strategy)
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite={nonfinite!r} is unknown; use one of: "
+                             f"{', '.join(NONFINITE_POLICIES)}")
+        if isinstance(track_updates, bool) or track_updates is None:
+            track_updates = 1 if track_updates else 0
+        if not isinstance(track_updates, int) or track_updates < 0:
+            raise ValueError(f"track_updates must be a bool or an int k >= 0 (measure every "
+                             f"k-th step), got {track_updates!r}")
+        if not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.nonfinite = nonfinite
+        self.track_updates = track_updates
+        self.seed = seed
+        self.skipped_steps = 0
+        self.update_stats: dict[str, float] = {}
+        self._steps_taken = 0
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._warned_fused = False
+        defaults = dict(defaults, strategy=strategy, foreach=foreach, fused=fused)
+        super().__init__(params, defaults)
+
+    # ----------------------------------------------------------------------- validation
+
+    def _validate_hyperparameters(self, group: dict) -> None:
+        """Subclasses check their own hyperparameters; errors name the argument."""
+        if _number(group["lr"], "lr") < 0:
+            raise ValueError(f"lr must be >= 0, got {group['lr']}")
+        if _number(group["weight_decay"], "weight_decay") < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {group['weight_decay']}")
+
+    @staticmethod
+    def _check_betas(betas: Any) -> None:
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        for index, beta in enumerate(betas):
+            value = _number(beta, f"betas[{index}]")
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"betas[{index}] must be in [0, 1), got {beta}")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._validate_group(group, len(self.param_groups) - 1)
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def _validate_group(self, group: dict, index: int) -> None:
+        strategy = get_strategy(group["strategy"])
+        self._validate_hyperparameters(group)
+        for flag in ("foreach", "fused"):
+            if group[flag] not in (None, True, False):
+                raise TypeError(f"{flag} must be None, True or False, got {group[flag]!r}")
+        if group["foreach"] and group["fused"]:
+            raise ValueError("foreach=True and fused=True are exclusive; set at most one")
+        names = group.get("param_names") or [
+            f"group{index}.param{i}" for i in range(len(group["params"]))
+        ]
+        for name, param in zip(names, group["params"]):
+            if param.is_complex():
+                raise TypeError(f"parameter {name!r} is complex; collage optimizers support "
+                                "real floating-point parameters only (use torch.view_as_real)")
+            check_weight(strategy, param, name)
+
+    # ----------------------------------------------------------------------- step
+
+    def _param_names(self, group: dict, index: int) -> list[str]:
+        return group.get("param_names") or [
+            f"group{index}.param{i}" for i in range(len(group["params"]))
+        ]
+
+    def _gather(self) -> list[tuple[int, dict, list[tuple[str, torch.Tensor, torch.Tensor]]]]:
+        """(group index, group, [(name, param, grad)]) for the parameters that have grads."""
+        batches = []
+        for index, group in enumerate(self.param_groups):
+            items = []
+            for name, param in zip(self._param_names(group, index), group["params"]):
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError(f"parameter {name!r} has a sparse gradient; collage "
+                                       "optimizers need dense gradients")
+                if grad.dtype != param.dtype:
+                    raise TypeError(
+                        f"the gradient of parameter {name!r} is {grad.dtype} but the weight "
+                        f"is {param.dtype}; gradients must have the weight's dtype (do not "
+                        "cast .grad by hand; let autograd produce it)"
+                    )
+                items.append((name, param, grad))
+            batches.append((index, group, items))
+        return batches
+
+    def _gradients_usable(self, batches) -> bool:
+        """Apply the GradScaler verdict and the non-finite policy with one host sync."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None:
+            # GradScaler already checked every gradient; it skips (and we count) on overflow.
+            return not bool(found_inf.item() > 0)
+        if self.nonfinite == "ignore":
+            return True
+        grads = [_local(grad) for _, _, items in batches for _, _, grad in items]
+        if not grads:
+            return True
+        flags = torch.stack([torch.isfinite(grad).all().to(grads[0].device) for grad in grads])
+        bad = (~flags.all()).to(torch.float32)
+        bad = self._all_ranks_max(bad)
+        if not bool(bad.item()):
+            return True
+        names = [name for _, _, items in batches for name, _, grad in items
+                 if not bool(torch.isfinite(_local(grad)).all())]
+        where = ", ".join(repr(n) for n in names[:5]) or "(another rank)"
+        if self.nonfinite == "raise":
+            raise FloatingPointError(
+                f"non-finite gradient in parameter {where}; nothing was updated. Use "
+                "nonfinite='skip' to skip such steps, or find the overflow (fp16 needs loss "
+                "scaling: torch.amp.GradScaler)"
+            )
+        self.skipped_steps += 1
+        warnings.warn(f"collage: skipped step: non-finite gradient in {where} "
+                      f"({self.skipped_steps} skipped so far); weights and states unchanged",
+                      RuntimeWarning, stacklevel=3)
+        return False
+
+    @staticmethod
+    def _all_ranks_max(flag: torch.Tensor) -> torch.Tensor:
+        """Sharded (FSDP2) ranks see different gradients: agree on skipping."""
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag
+
+    def _path(self, group: dict, device: torch.device) -> str:
+        fused, foreach = group["fused"], group["foreach"]
+        if fused:
+            return "fused"
+        if foreach is False and not fused:
+            return "reference"
+        if foreach:
+            return "foreach"
+        if fused is None and device.type == "cuda":
+            return "fused"
+        return "foreach"
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self.seed)
+            self._generators[device] = generator
+        return self._generators[device]
+
+    def _measuring(self) -> bool:
+        return self.track_updates > 0 and self._steps_taken % self.track_updates == 0
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Perform one optimization step; returns the closure's loss (or None)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        batches = self._gather()
+        if not self._gradients_usable(batches):
+            return loss
+        measuring = self._measuring()
+        stats = self._new_stats() if measuring else None
+        grad_scale = getattr(self, "grad_scale", None)
+        for index, group, items in batches:
+            strategy = get_strategy(group["strategy"])
+            for name, param, grad in items:
+                self._step_param(index, group, strategy, name, param, grad, grad_scale, stats)
+        self._steps_taken += 1
+        if stats is not None:
+            self.update_stats = self._finish_stats(stats)
+        return loss
+
+    def _step_param(self, index, group, strategy: Strategy, name, param, grad, grad_scale,
+                    stats) -> None:
+        state = self.state[param]
+        if not state:
+            kernels.init_state(self.rule, strategy, param, state)
+        state["step"] += 1
+        coeffs = self.rule.coefficients(group, int(state["step"].item()))
+        local_param, local_grad = _local(param), _local(grad)
+        local_state = {k: _local(v) for k, v in state.items()}
+        path = self._path(group, local_param.device)
+        generator = (self._generator(local_param.device)
+                     if strategy.name == "stochastic" else None)
+        before = visible_before = None
+        if stats is not None:
+            before = kernels.represented_value(strategy, local_param, local_state)
+            visible_before = local_param.detach().clone()
+        if path == "reference":
+            grad_lp = self._prepare_grad(local_grad, group, grad_scale, local_param.dtype)
+            intended = kernels.reference_step(self.rule, strategy, local_param, grad_lp,
+                                              local_state, coeffs, generator, stats is not None)
+        else:
+            grad32 = self._prepare_grad(local_grad, group, grad_scale, torch.float32)
+            if path == "fused":
+                coeffs = self._as_tensors(coeffs, local_param.device)
+            intended = self._run_fast(path, strategy, local_param, grad32, local_state, coeffs,
+                                      generator, stats is not None)
+        if stats is not None:
+            after = kernels.represented_value(strategy, local_param, local_state)
+            stats.add(self._stat_keys(index, group, name), intended, before, after,
+                      visible_before=visible_before, visible_after=local_param,
+                      compensation=kernels.compensation_of(strategy, local_state))
+
+    @staticmethod
+    def _prepare_grad(grad, group, grad_scale, dtype) -> torch.Tensor:
+        """The gradient to use: negated for ``maximize``, unscaled for GradScaler."""
+        if dtype == torch.float32:
+            grad = grad.float()
+            if grad_scale is not None:
+                grad = grad / grad_scale.to(grad.device)
+            return -grad if group.get("maximize", False) else grad
+        if grad_scale is not None or group.get("maximize", False):
+            from ..mcf import round_to
+
+            wide = grad.double()
+            if grad_scale is not None:
+                wide = wide / grad_scale.double().to(grad.device)
+            if group.get("maximize", False):
+                wide = -wide
+            return round_to(wide, dtype)
+        return grad
+
+    def _as_tensors(self, coeffs: dict, device: torch.device) -> dict:
+        """Non-static coefficients as 0-d tensors, so new values never recompile."""
+        return {
+            key: value if key in self.rule.static
+            else torch.tensor(value, dtype=torch.float64)
+            for key, value in coeffs.items()
+        }
+
+    def _run_fast(self, path, strategy, param, grad32, state, coeffs, generator, want):
+        """Run the float32 kernel, compiled when ``path == 'fused'`` and possible."""
+        from . import fused
+
+        kernel = fused.compiled_step(self.rule, strategy) if path == "fused" else None
+        flat = _flat_views(param, grad32, state) if kernel is not None else None
+        if kernel is not None and flat is not None:
+            if generator is not None:  # draw outside the graph: same seeded stream as eager
+                generator = torch.rand(param.numel(), generator=generator, device=param.device)
+            try:
+                intended = kernel(*flat, coeffs, generator, want)
+                return None if intended is None else intended.view(param.shape)
+            except Exception as error:
+                if not fused.is_compile_error(error):
+                    raise
+                fused.mark_unavailable()
+                self._warn_fallback(f"torch.compile failed ({type(error).__name__})")
+        elif path == "fused" and kernel is None:
+            self._warn_fallback("torch.compile has no C++ compiler or Triton here")
+        return kernels.fast_step(self.rule, strategy, param, grad32, state, coeffs,
+                                 generator, want)
+
+    def _warn_fallback(self, reason: str) -> None:
+        if not self._warned_fused:
+            warnings.warn(f"collage: fused path unavailable: {reason}; using the foreach "
+                          "path (same float32 arithmetic, not compiled)", RuntimeWarning,
+                          stacklevel=5)
+            self._warned_fused = True
+
+    # ----------------------------------------------------------------------- metrics
+
+    def _new_stats(self):
+        from ..metrics import UpdateStats
+
+        return UpdateStats()
+
+    def _stat_keys(self, index: int, group: dict, name: str) -> list[str]:
+        keys = ["", f"group{index}"]
+        if "param_names" in group:
+            keys.append(name)
+        return keys
+
+    def _finish_stats(self, stats) -> dict[str, float]:
+        stats.reduce_()
+        return stats.to_dict()
+
+    # ----------------------------------------------------------------------- state dict
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["collage"] = {
+            "skipped_steps": self.skipped_steps,
+            "steps_taken": self._steps_taken,
+            "generators": {str(d): g.get_state() for d, g in self._generators.items()},
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load like torch.optim, but keep every state tensor's saved dtype.
+
+        torch.optim casts floating-point state to the parameter's dtype on load, which would
+        turn fp32 masters and moments into bf16 silently; we restore the saved tensors.
+        """
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("collage", None)
+        saved_state = state_dict["state"]
+        super().load_state_dict(state_dict)
+        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, param in zip(saved_ids, params):
+            if saved_id not in saved_state:
+                continue
+            restored = {}
+            for key, value in saved_state[saved_id].items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    value = value.to(device=param.device, copy=True)
+                restored[key] = value
+            self.state[param] = restored
+        for index, group in enumerate(self.param_groups):
+            self._validate_group(group, index)
+            self._check_loaded_layout(group, index)
+        if extra is not None:
+            self.skipped_steps = extra.get("skipped_steps", 0)
+            self._steps_taken = extra.get("steps_taken", 0)
+            for device, rng_state in extra.get("generators", {}).items():
+                self._generator(torch.device(device)).set_state(rng_state)
+
+    def _check_loaded_layout(self, group: dict, index: int) -> None:
+        """A loaded state must be the one this group's strategy makes, dtypes included."""
+        strategy = get_strategy(group["strategy"])
+        for name, param in zip(self._param_names(group, index), group["params"]):
+            state = self.state.get(param)
+            if not state:
+                continue
+            expected: dict = {}
+            kernels.init_state(self.rule, strategy, torch.empty(0, dtype=param.dtype), expected)
+            for key, template in expected.items():
+                if key == "step":
+                    continue
+                have = state.get(key)
+                if have is None or have.dtype != template.dtype:
+                    got = "missing" if have is None else str(have.dtype)
+                    raise ValueError(
+                        f"optimizer state of parameter {name!r} does not match strategy "
+                        f"{strategy.name!r}: {key!r} should be {template.dtype}, found {got}. "
+                        "Load a checkpoint saved with the same strategy, or convert it with "
+                        "collage.consolidate / collage.load_full_precision"
+                    )

@@ -1,0 +1,123 @@
+"""Moving between a strategy's components and one full-precision state dict."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import mcf
+from . import kernels
+from .base import CollageOptimizer, _local
+from .rounding import split_encode
+from .strategies import get_strategy
+
+__all__ = ["consolidate", "load_full_precision"]
+
+
+def _groups_by_param(optimizer: CollageOptimizer) -> dict[int, dict]:
+    if not isinstance(optimizer, CollageOptimizer):
+        raise TypeError("optimizer must be a collage optimizer (collage.AdamW, SGD or Lion), "
+                        f"got {type(optimizer).__name__}")
+    return {id(p): group for group in optimizer.param_groups for p in group["params"]}
+
+
+def _rewrap(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Gather a value computed on a DTensor's local shard back to a full tensor."""
+    if not hasattr(like, "to_local"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements,
+                              shape=like.shape, stride=like.stride()).full_tensor()
+
+
+@torch.no_grad()
+def consolidate(model: torch.nn.Module, optimizer: CollageOptimizer) -> dict[str, torch.Tensor]:
+    """The model's state dict with every parameter at full precision, as float32.
+
+    Each parameter is the value its strategy represents (hi + lo, the master, weight plus
+    compensation, the decoded split master) rounded once to float32; other floating tensors
+    are widened to float32 (exact). Keys are ``model.state_dict()``'s, so the result loads
+    into a float32 copy of the model. Sharded (FSDP2) parameters are gathered on every rank.
+    """
+    groups = _groups_by_param(optimizer)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        group = groups.get(id(tensor))
+        if group is None:
+            value = tensor.detach()
+            if hasattr(value, "full_tensor"):
+                value = value.full_tensor()
+            out[key] = value.float() if value.is_floating_point() else value.clone()
+            continue
+        strategy = get_strategy(group["strategy"])
+        state = {k: _local(v) for k, v in optimizer.state.get(tensor, {}).items()}
+        exact = kernels.represented_value(strategy, _local(tensor.detach()), state)
+        out[key] = _rewrap(mcf.round_to(exact, torch.float32), tensor)
+    return out
+
+
+@torch.no_grad()
+def load_full_precision(model: torch.nn.Module, optimizer: CollageOptimizer,
+                        state_dict: dict[str, torch.Tensor]) -> None:
+    """Set every parameter, and its compensation, from full-precision values exactly.
+
+    The inverse of :func:`consolidate`: an MCF pair gets ``split(value, dtype, 2)``, a master
+    gets the value, split gets the float32 value's two halves, kahan gets the rounding residue.
+    Optimizer moments are created if absent and otherwise left alone. Buffers are copied.
+    """
+    groups = _groups_by_param(optimizer)
+    named = dict(model.named_parameters())
+    missing = [name for name in named if name not in state_dict]
+    if missing:
+        raise KeyError(f"state_dict has no value for parameter(s) {missing[:5]}; pass the "
+                       "output of collage.consolidate or a float32 model.state_dict()")
+    for name, param in named.items():
+        value = state_dict[name]
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"state_dict[{name!r}] has shape {tuple(value.shape)} but the "
+                             f"parameter has {tuple(param.shape)}")
+        group = groups.get(id(param))
+        if group is None:
+            param.copy_(value)
+            continue
+        strategy = get_strategy(group["strategy"])
+        state = optimizer.state[param]
+        if not state:
+            kernels.init_state(optimizer.rule, strategy, param, state)
+        _set_components(strategy.name, _local(param), {k: _local(v) for k, v in state.items()},
+                        _local_slice(value, param))
+    for name, buffer in model.named_buffers():
+        if name in state_dict:
+            buffer.copy_(state_dict[name])
+
+
+def _local_slice(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The part of a full value that this rank's shard holds."""
+    if not hasattr(param, "to_local"):
+        return value.to(param.device)
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(param.device), param.device_mesh,
+                             param.placements).to_local()
+
+
+def _set_components(name: str, param, state, value) -> None:
+    wide = value.to(device=param.device, dtype=torch.float64)
+    if name == "fp32":
+        param.copy_(value)
+    elif name == "mixed":
+        state["master"].copy_(mcf.round_to(wide, torch.float32))
+        param.copy_(state["master"])
+    elif name in ("bf16", "stochastic"):
+        param.copy_(mcf.round_to(wide, param.dtype))
+    elif name == "kahan":
+        param.copy_(mcf.round_to(wide, param.dtype))
+        state["compensation"].copy_(mcf.round_to(wide - param.double(), param.dtype))
+    elif name in ("light", "plus"):
+        hi, lo = mcf.split(wide, param.dtype, 2)
+        param.copy_(hi)
+        state["weight_lo"].copy_(lo)
+    elif name == "split":
+        weight, low_bits = split_encode(mcf.round_to(wide, torch.float32))
+        param.copy_(weight)
+        state["weight_low_bits"].copy_(low_bits)

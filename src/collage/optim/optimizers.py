@@ -1,0 +1,144 @@
+"""The public optimizers: one class per update rule, precision strategy as a parameter."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .base import CollageOptimizer, _number
+from .rules import ADAMW, LION, SGD as SGD_RULE
+
+__all__ = ["AdamW", "SGD", "Lion"]
+
+_SHARED_DOC = """
+    strategy: how weights and states are stored and how updates land: one of ``fp32``,
+        ``mixed``, ``bf16``, ``kahan``, ``stochastic``, ``light``, ``plus``, ``split``
+        (``docs/strategies.md``). Also a per-param-group key. Default ``"plus"``.
+    foreach, fused: implementation, following torch.optim: ``fused=True`` compiles the
+        float32-register kernel (torch.compile; falls back to foreach with one warning);
+        ``foreach=True`` runs that kernel eagerly; ``foreach=False`` (and fused not True)
+        selects the *reference* path, op by op in the weight dtype (paper-faithful,
+        bitwise deterministic, slow). None chooses: fused on CUDA, foreach elsewhere.
+    track_updates: measure lost updates (EDQ, imprecision) every step (True) or every k-th
+        step (int k); results in ``optimizer.update_stats``. Off (zero cost) by default.
+    nonfinite: what a step does when a gradient holds inf/nan: ``"skip"`` (default: nothing
+        changes, ``skipped_steps`` grows, a warning), ``"raise"``, or ``"ignore"``.
+    seed: seed of the stochastic-rounding generator (saved in ``state_dict``).
+"""
+
+
+class AdamW(CollageOptimizer):
+    __doc__ = (
+        """AdamW (decoupled weight decay, Loshchilov & Hutter) under a precision strategy.
+
+    Same arguments and semantics as ``torch.optim.AdamW`` (``params`` may be
+    ``model.named_parameters()`` or param groups), plus:
+    """
+        + _SHARED_DOC
+    )
+
+    rule = ADAMW
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        strategy: str = "plus",
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        track_updates: bool | int = False,
+        nonfinite: str = "skip",
+        seed: int = 0,
+    ) -> None:
+        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
+                        eps=eps, weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
+                         track_updates=track_updates, nonfinite=nonfinite, seed=seed)
+
+    def _validate_hyperparameters(self, group: dict) -> None:
+        super()._validate_hyperparameters(group)
+        if _number(group["eps"], "eps") < 0:
+            raise ValueError(f"eps must be >= 0, got {group['eps']}")
+        self._check_betas(group["betas"])
+
+
+class SGD(CollageOptimizer):
+    __doc__ = (
+        """SGD with momentum, dampening and Nesterov, as ``torch.optim.SGD``, under a
+    precision strategy (weight decay is coupled, as in torch.optim.SGD). Extra arguments:
+    """
+        + _SHARED_DOC
+    )
+
+    rule = SGD_RULE
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        strategy: str = "plus",
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        track_updates: bool | int = False,
+        nonfinite: str = "skip",
+        seed: int = 0,
+    ) -> None:
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
+        super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
+                         track_updates=track_updates, nonfinite=nonfinite, seed=seed)
+
+    def _validate_hyperparameters(self, group: dict) -> None:
+        super()._validate_hyperparameters(group)
+        momentum = _number(group["momentum"], "momentum")
+        if momentum < 0:
+            raise ValueError(f"momentum must be >= 0, got {momentum}")
+        _number(group["dampening"], "dampening")
+        if group["nesterov"] and (momentum <= 0 or group["dampening"] != 0):
+            raise ValueError("nesterov=True needs momentum > 0 and dampening == 0")
+
+
+class Lion(CollageOptimizer):
+    __doc__ = (
+        """Lion (Chen et al., 2023): sign of an interpolated momentum, decoupled weight
+    decay, under a precision strategy. ``betas=(0.9, 0.99)``; use a 3-10x smaller lr and
+    larger weight decay than AdamW. Extra arguments:
+    """
+        + _SHARED_DOC
+    )
+
+    rule = LION
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        strategy: str = "plus",
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        track_updates: bool | int = False,
+        nonfinite: str = "skip",
+        seed: int = 0,
+    ) -> None:
+        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
+                        weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
+                         track_updates=track_updates, nonfinite=nonfinite, seed=seed)
+
+    def _validate_hyperparameters(self, group: dict) -> None:
+        super()._validate_hyperparameters(group)
+        self._check_betas(group["betas"])

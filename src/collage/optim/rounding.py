@@ -1,0 +1,110 @@
+"""Rounding helpers shared by the kernels: low-precision arithmetic, stochastic rounding and
+the bit layout of the ``split`` strategy."""
+
+from __future__ import annotations
+
+import torch
+
+from ..mcf.formats import round_to
+
+__all__ = ["LowpArith", "stochastic_round", "split_encode", "split_decode"]
+
+
+class LowpArith:
+    """Elementwise arithmetic in a component dtype with one correct rounding per operation.
+
+    This is what hardware without fp32 units would compute: each operation is evaluated in
+    float64 and rounded once to ``dtype`` (a correct rounding: see ``collage.mcf.formats``).
+    It is the arithmetic of the *reference* path.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def c(self, value: float, like: torch.Tensor) -> torch.Tensor:
+        """A scalar constant rounded to the component dtype (e.g. bf16(0.999) == 1.0)."""
+        return round_to(torch.tensor(value, dtype=torch.float64, device=like.device), self.dtype)
+
+    def _round(self, x: torch.Tensor) -> torch.Tensor:
+        return round_to(x, self.dtype)
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self._round(a.double() + b.double())
+
+    def sub(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self._round(a.double() - b.double())
+
+    def mul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self._round(a.double() * b.double())
+
+    def div(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self._round(a.double() / b.double())
+
+    def sqrt(self, a: torch.Tensor) -> torch.Tensor:
+        return self._round(a.double().sqrt())
+
+
+def stochastic_round(
+    x: torch.Tensor, dtype: torch.dtype, randomness: torch.Generator | torch.Tensor | None
+) -> torch.Tensor:
+    """Round ``x`` (float32 or float64) to the 16-bit ``dtype`` stochastically, unbiased.
+
+    With ``r`` the nearest value and ``n`` its neighbour on the other side of ``x``, returns
+    ``n`` with probability ``|x - r| / |n - r|``, so ``E[result] == x`` exactly (up to the
+    2**-24 resolution of the uniform draw). The neighbour is found on the integer view: IEEE
+    formats are sign-magnitude, so magnitude +-1 is one ulp away from or towards zero.
+    Non-finite values and overflow are rounded to nearest. ``randomness`` is a generator to
+    draw ``torch.rand(x.shape)`` from, or those float32 draws already made (the compiled
+    path draws outside the compiled region so that the seeded stream is the same).
+    """
+    nearest = round_to(x, dtype)
+    error = x - nearest.to(x.dtype)  # exact: nearest is within half an ulp of x (Sterbenz)
+    bits = nearest.view(torch.int16)
+    away_from_zero = (error > 0) == (nearest > 0)
+    away_from_zero |= nearest == 0
+    step = torch.where(away_from_zero, 1, -1).to(torch.int16)
+    neighbour_bits = torch.where(nearest == 0, (error < 0).to(torch.int16) * -32768 | 1, bits + step)
+    neighbour = neighbour_bits.view(dtype)
+    spacing = (neighbour.to(x.dtype) - nearest.to(x.dtype)).abs()
+    probability = error.abs() / spacing
+    if isinstance(randomness, torch.Tensor):
+        draw = randomness.view(x.shape)
+    else:
+        draw = torch.rand(x.shape, generator=randomness, device=x.device, dtype=torch.float32)
+    take = (draw.to(x.dtype) < probability) & (error != 0) & torch.isfinite(spacing)
+    return torch.where(take, neighbour, nearest)
+
+
+# split strategy: an fp32 master kept as (bf16 weight, 16 low bits).
+#
+#   fp32 master bits: [ sign | exponent(8) | mantissa(7) ][ mantissa low 16 ]
+#                      \------------- T ---------------/  \------- L ------/
+#
+# The visible bf16 weight is T rounded to nearest by L, with ties (L == 0x8000) kept at T:
+# that tie rule makes the encoding invertible, since L > 0x8000 <=> the weight was rounded up
+# (one ulp away from zero: the integer view is sign-magnitude). We store L verbatim.
+_LOW_MASK = 0xFFFF
+_HALF = 0x8000
+
+
+def split_encode(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split float32 ``master`` into (bf16 weight nearest to it, int16 low bits). Exact."""
+    bits = master.view(torch.int32)
+    top = bits >> 16  # arithmetic shift keeps the sign in the int32, masked below
+    low = bits & _LOW_MASK
+    rounded_up = (low > _HALF).to(torch.int32)
+    weight_bits = (top + rounded_up) & _LOW_MASK
+    return _as_int16(weight_bits).view(torch.bfloat16), _as_int16(low)
+
+
+def split_decode(weight: torch.Tensor, low_bits: torch.Tensor) -> torch.Tensor:
+    """Rebuild the exact float32 master from ``split_encode``'s output."""
+    low = low_bits.to(torch.int32) & _LOW_MASK
+    rounded_up = (low > _HALF).to(torch.int32)
+    top = (weight.view(torch.int16).to(torch.int32) & _LOW_MASK) - rounded_up
+    return ((top << 16) | low).view(torch.float32)
+
+
+def _as_int16(x: torch.Tensor) -> torch.Tensor:
+    """Reinterpret the low 16 bits of an int32 tensor (values 0..65535) as int16."""
+    return torch.where(x >= _HALF, x - 0x10000, x).to(torch.int16)
