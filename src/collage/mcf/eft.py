@@ -84,7 +84,8 @@ def _mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _zero_unless_finite(lead: torch.Tensor, trailing: torch.Tensor) -> torch.Tensor:
     """The non-finite rule: trailing components are +0 where the leading one is inf/nan."""
-    return torch.where(torch.isfinite(lead), trailing, torch.zeros_like(trailing))
+    # Widen first: torch has no isfinite for float8_e4m3fn (nor comparisons for float8).
+    return torch.where(torch.isfinite(lead.double()), trailing, torch.zeros_like(trailing))
 
 
 def two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,8 +95,14 @@ def two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     overflow: the rounding error of a sum is always representable (even among subnormals,
     where addition is exact), and Knuth (TAOCP vol. 2, 4.2.2) shows the recovery below
     reconstructs it. ``|e| <= ulp(s) / 2``.
+
+    The operands are ordered so that ``|a| <= |b|`` first (the sum and its error do not depend
+    on the order): with ``a`` the larger, ``s - b`` can overflow although ``s`` does not, e.g.
+    float16 ``two_sum(65504, -2544)``: s = 62976, s - b = 65520 rounds to inf, and e was nan.
     """
     _info_of(("a", a), ("b", b))
+    swap = a.double().abs() > b.double().abs()
+    a, b = torch.where(swap, b, a), torch.where(swap, a, b)
     s = _add(a, b)
     a_virtual = _sub(s, b)  # the part of s that came from a
     b_virtual = _sub(s, a_virtual)  # the part of s that came from b
@@ -114,7 +121,8 @@ def fast_two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
     """
     _info_of(("a", a), ("b", b))
     if _DEBUG:
-        bad = (a.abs() < b.abs()) & (a != 0) & torch.isfinite(a) & torch.isfinite(b)
+        wa, wb = a.double(), b.double()  # float8 has no comparisons or isfinite in torch
+        bad = (wa.abs() < wb.abs()) & (wa != 0) & torch.isfinite(wa) & torch.isfinite(wb)
         if bool(bad.any()):
             raise ValueError(
                 f"fast_two_sum precondition |a| >= |b| fails at {int(bad.sum())} element(s); "
@@ -174,14 +182,18 @@ def mul(
         (z_hi, z_lo) = fast_two_sum(c_hi, fl(c_lo1 + c_lo2))
 
     Relative error at most ``7 u**2`` for normalised inputs without underflow. Every input is
-    read before anything is written: the research code computed the product's error after
-    overwriting its input, which is why its Collage-plus second moment drifts.
+    read before anything is written: the research code computed the product's "error" after
+    overwriting its input (harmless only when ``b_hi == 1``, e.g. bf16(0.999)), one of the
+    three defects that make its Collage-plus second moment drift (docs/research_plus.md).
     The fast_two_sum precondition holds because ``|c_lo1 + c_lo2| <~ 3u |c_hi|``.
     """
     _info_of(("hi", hi), ("lo", lo), ("b_hi", b_hi), ("b_lo", b_lo))
     c_hi, c_lo1 = two_prod(hi, b_hi)
     c_lo2 = _add(_mul(hi, b_lo), _mul(lo, b_hi))
     z_hi, z_lo = fast_two_sum(c_hi, _add(c_lo1, c_lo2))
+    # Non-finite rule: where hi * b_hi is inf/nan, that IEEE product is the result (the tail
+    # terms would turn inf into nan: inf * 0, or inf - inf when the cross products overflow).
+    z_hi = torch.where(torch.isfinite(c_hi.double()), z_hi, c_hi)
     return z_hi, _zero_unless_finite(z_hi, z_lo)
 
 

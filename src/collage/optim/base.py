@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from . import kernels
+from . import fused, kernels
 from .rules import Rule
 from .strategies import Strategy, check_weight, get_strategy
 
@@ -176,14 +176,21 @@ class CollageOptimizer(Optimizer):
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None:
             # GradScaler already checked every gradient; it skips (and we count) on overflow.
-            return not bool(found_inf.item() > 0)
+            if bool(found_inf.item() > 0):
+                self.skipped_steps += 1
+                return False
+            return True
         if self.nonfinite == "ignore":
             return True
         grads = [_local(grad) for _, _, items in batches for _, _, grad in items]
         if not grads:
             return True
-        flags = torch.stack([torch.isfinite(grad).all().to(grads[0].device) for grad in grads])
-        bad = (~flags.all()).to(torch.float32)
+        # aminmax reads each gradient once and propagates nan (inf shows as min or max):
+        # an order of magnitude faster than isfinite(grad).all() on CPU, no temporaries.
+        extremes = [x.to(grads[0].device) for grad in grads if grad.numel()
+                    for x in torch.aminmax(grad)]
+        bad = (~torch.isfinite(torch.stack(extremes)).all()).to(torch.float32) if extremes \
+            else torch.zeros((), dtype=torch.float32, device=grads[0].device)
         bad = self._all_ranks_max(bad)
         if not bool(bad.item()):
             return True
@@ -247,6 +254,9 @@ class CollageOptimizer(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         for index, group, items in batches:
             strategy = get_strategy(group["strategy"])
+            if stats is None and fused.step_group(self, index, group, strategy, items,
+                                                  grad_scale):
+                continue  # the fused path steps the whole group at once
             for name, param, grad in items:
                 self._step_param(index, group, strategy, name, param, grad, grad_scale, stats)
         self._steps_taken += 1
@@ -379,6 +389,7 @@ class CollageOptimizer(Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("collage", None)
         saved_state = state_dict["state"]
+        self._check_same_strategies(state_dict["param_groups"])
         super().load_state_dict(state_dict)
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
@@ -399,6 +410,18 @@ class CollageOptimizer(Optimizer):
             self._steps_taken = extra.get("steps_taken", 0)
             for device, rng_state in extra.get("generators", {}).items():
                 self._generator(torch.device(device)).set_state(rng_state)
+
+    def _check_same_strategies(self, saved_groups: list[dict]) -> None:
+        """A checkpoint's groups must use this optimizer's strategies (torch.optim would copy
+        the saved strategy over ours and mislabel the states)."""
+        for index, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if saved.get("strategy", group["strategy"]) != group["strategy"]:
+                raise ValueError(
+                    f"param group {index} was saved with strategy {saved['strategy']!r} but "
+                    f"this optimizer uses {group['strategy']!r}; load it into an optimizer "
+                    "with the same strategy, or move between strategies with "
+                    "collage.consolidate and collage.load_full_precision"
+                )
 
     def _check_loaded_layout(self, group: dict, index: int) -> None:
         """A loaded state must be the one this group's strategy makes, dtypes included."""

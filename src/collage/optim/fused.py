@@ -1,25 +1,59 @@
-"""The fused path: the float32-register kernel compiled by torch.compile.
+"""The fused path: the float32-register kernel compiled by torch.compile, one pass per tensor.
 
-Inductor turns each (rule, strategy) kernel into one loop over memory (C++/OpenMP on CPU,
-Triton on CUDA). Tensors are passed flattened with dynamic shapes, and per-step coefficients
-arrive as 0-d tensors, so one compilation per (rule, strategy, tracking on/off) serves every
-parameter size and every learning rate. Where compilation cannot work (no C++ compiler, no
-Triton, an inductor failure) the optimizer falls back to the eager float32 kernel with one
-warning: ``compiled_step`` returns None from then on.
+Inductor turns each kernel into one loop over memory (C++/OpenMP on CPU, Triton on CUDA) that
+reads every stored component once and writes it once: the weight (and its ``lo`` or
+compensation), the gradient *in its own dtype* (converted, unscaled and negated in
+registers), each optimizer state. Shapes are dynamic and per-step coefficients arrive as 0-d
+tensors, so one compilation per kernel variant serves every parameter size and every learning
+rate; a learning-rate schedule never recompiles.
+
+:func:`step_group` runs one parameter group:
+
+* step counters advance with one ``_foreach_add_``; coefficients are computed once per
+  distinct step value (not once per parameter);
+* tensors of at least ``SMALL_NUMEL`` elements get one kernel call each; smaller ones are
+  concatenated per (dtype, step) into flat buffers, stepped by one call and copied back, so
+  that a model's many biases and norms do not each pay a call's fixed cost;
+* ``stochastic`` draws its uniforms *inside* the kernel from a counter-based hash
+  (:func:`counter_uniform`) keyed by seeds drawn from the optimizer's seeded generator each
+  step: no float32 draw tensor is written and read back, and the stream is as reproducible
+  and resumable as before (the generator's state is in ``state_dict``). It is a different
+  stream from the foreach path's ``torch.rand``; given the same draws the two paths agree
+  bit for bit (``tests/bench`` checks this).
+
+Compiled kernels live in the process; their generated code is cached on disk by inductor's
+FX graph cache (default on; ``TORCHINDUCTOR_CACHE_DIR`` moves it), so a second process pays
+the dynamo trace but not the C++ compile. Where compilation cannot work (no C++ compiler, no
+Triton, an inductor failure) the same Python kernel runs eagerly, with one warning.
 """
 
 from __future__ import annotations
 
 import shutil
+import types
+from collections.abc import Callable
 
 import torch
 
 from . import kernels
 
-__all__ = ["compiled_step", "mark_unavailable", "is_compile_error"]
+__all__ = [
+    "SMALL_NUMEL",
+    "compiled_step",
+    "counter_uniform",
+    "is_compile_error",
+    "mark_unavailable",
+    "step_group",
+]
 
-_compiled: dict[tuple[str, str], object] = {}
+# Tensors below this many elements are batched (concatenated) into one kernel call.
+SMALL_NUMEL = 1 << 16
+# Most elements one call handles: the in-kernel counter is an int32.
+_MAX_CALL_NUMEL = 1 << 30
+
+_compiled: dict[tuple, Callable] = {}
 _unavailable = False
+_compiler_checked = False
 
 
 def _compiler_present() -> bool:
@@ -32,28 +66,17 @@ def _compiler_present() -> bool:
     return any(name and shutil.which(name) for name in names)
 
 
-def _kernel_for(rule, strategy):
-    # A closure per (rule, strategy): dynamo guards and recompile budgets stay separate.
-    def step(param, grad, state, coeffs, generator, want_intended):
-        return kernels.fast_step(rule, strategy, param, grad, state, coeffs, generator,
-                                 want_intended)
-
-    # emulate_precision_casts: without it inductor may skip a bf16 round trip (store, then
-    # reload as float32) and keep float32 bits, which would make every residual zero.
-    return torch.compile(step, dynamic=True, options={"emulate_precision_casts": True})
-
-
-def compiled_step(rule, strategy):
-    """The compiled kernel for (rule, strategy), or None where compilation is unavailable."""
+def available() -> bool:
+    """Whether compiled kernels can be built in this process (a C++ compiler or Triton)."""
+    global _compiler_checked
     if _unavailable or not hasattr(torch, "compile"):
-        return None
-    key = (rule.name, strategy.name)
-    if key not in _compiled:
+        return False
+    if not _compiler_checked:
+        _compiler_checked = True
         if not _compiler_present():
             mark_unavailable()
-            return None
-        _compiled[key] = _kernel_for(rule, strategy)
-    return _compiled[key]
+            return False
+    return True
 
 
 def mark_unavailable() -> None:
@@ -65,3 +88,242 @@ def mark_unavailable() -> None:
 def is_compile_error(error: BaseException) -> bool:
     """Errors raised by dynamo/inductor while building a kernel (not by our numerics)."""
     return type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))
+
+
+def _compile(fn: Callable, name: str) -> Callable:
+    """torch.compile ``fn`` under its own code object.
+
+    Dynamo keeps compiled graphs (and counts recompilations against its limit) per code
+    object; closures of one ``def`` share theirs. Renaming the code gives every kernel
+    variant its own cache, so eight strategies x three rules never evict each other.
+    """
+    code = fn.__code__.replace(co_name=name)
+    unique = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    # emulate_precision_casts: without it inductor may skip a bf16 round trip (store, then
+    # reload as float32) and keep float32 bits, which would make every residual zero.
+    return torch.compile(unique, dynamic=True, options={"emulate_precision_casts": True})
+
+
+# ---------------------------------------------------------------------------------------
+# counter-based uniforms for stochastic rounding
+# ---------------------------------------------------------------------------------------
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32, C. Wellons) on int32 with wrapping multiplies;
+    ``& mask`` after each shift makes the arithmetic shifts logical."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * (0x846CA68B - (1 << 32))
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def counter_uniform(n: int, seeds: torch.Tensor) -> torch.Tensor:
+    """``n`` float32 uniforms in [0, 1) on a 2**-24 grid (like ``torch.rand``) for element
+    indices ``0..n-1``, keyed by the two int32 ``seeds``: two rounds of a 32-bit hash.
+
+    Pure function of (index, seeds): eager and compiled give the same bits, and inside a
+    compiled kernel nothing is stored (the hash is computed in registers).
+    """
+    index = torch.arange(n, dtype=torch.int32, device=seeds.device)
+    h = _mix32(index ^ seeds[0])
+    h = _mix32(h ^ seeds[1])
+    return ((h >> 8) & 0xFFFFFF).to(torch.float32) * (2.0**-24)
+
+
+def draw_seeds(generator: torch.Generator, calls: int, device: torch.device) -> torch.Tensor:
+    """``calls`` pairs of int32 seeds from the optimizer's generator (no host sync)."""
+    return torch.randint(-(2**31), 2**31 - 1, (calls, 2), generator=generator,
+                         device=device, dtype=torch.int32)
+
+
+# ---------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------
+
+
+def _group_kernel_body(rule, strategy, scaled: bool, maximize: bool) -> Callable:
+    """The Python kernel of one variant: gradient in its own dtype in, components updated."""
+    stochastic = strategy.name == "stochastic"
+
+    def step(param, grad, state, packed, static, scale, seeds):
+        # per-step coefficients: one float64 vector, unpacked into 0-d views in the graph
+        coeffs = dict(static)
+        for i, key in enumerate(packed[0]):
+            coeffs[key] = packed[1][i]
+        g = grad.float()
+        if scaled:
+            g = g / scale
+        if maximize:
+            g = -g
+        draws = counter_uniform(param.numel(), seeds) if stochastic else None
+        kernels.fast_step(rule, strategy, param, g, state, coeffs, draws, False)
+
+    return step
+
+
+def _group_kernel(rule, strategy, scaled: bool, maximize: bool) -> tuple[Callable, Callable]:
+    """(compiled, eager) kernels of a variant; compiled once per process."""
+    key = ("group", rule.name, strategy.name, scaled, maximize)
+    body = _group_kernel_body(rule, strategy, scaled, maximize)
+    if key not in _compiled:
+        name = f"collage_{rule.name}_{strategy.name}" + ("_scaled" if scaled else "") + (
+            "_max" if maximize else "")
+        _compiled[key] = _compile(body, name)
+    return _compiled[key], body
+
+
+def compiled_step(rule, strategy):
+    """The compiled per-parameter kernel ``(param, grad32, state, coeffs, draws, want)`` for
+    (rule, strategy), or None where compilation is unavailable. Used for the steps that
+    measure lost updates (``track_updates``), which need the intended update back."""
+    if not available():
+        return None
+    key = ("param", rule.name, strategy.name)
+    if key not in _compiled:
+        def step(param, grad, state, coeffs, generator, want_intended):
+            return kernels.fast_step(rule, strategy, param, grad, state, coeffs, generator,
+                                     want_intended)
+
+        _compiled[key] = _compile(step, f"collage_{rule.name}_{strategy.name}_tracked")
+    return _compiled[key]
+
+
+# ---------------------------------------------------------------------------------------
+# one parameter group
+# ---------------------------------------------------------------------------------------
+
+
+def _local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class _Entry:
+    __slots__ = ("name", "param", "grad", "state", "tensors", "numel", "step")
+
+    def __init__(self, name, param, grad, state, tensors):
+        self.name, self.param, self.grad, self.state = name, param, grad, state
+        self.tensors = tensors  # state components (no "step"), local tensors
+        self.numel = param.numel()
+
+
+def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) -> bool:
+    """Step every parameter of ``group`` on the fused path; False if the group is not on it.
+
+    ``items`` are ``(name, param, grad)`` with gradients present. Returns False (and changes
+    nothing) when the group's path is not fused or compiled kernels are unavailable; the
+    optimizer then takes its per-parameter path, which warns and runs eagerly.
+    """
+    if not items:
+        return True
+    device = _local(items[0][1]).device
+    if optimizer._path(group, device) != "fused" or not available():
+        return False
+    rule = optimizer.rule
+    scaled = grad_scale is not None
+    maximize = bool(group.get("maximize", False))
+    entries: list[_Entry] = []
+    for name, param, grad in items:
+        state = optimizer.state[param]
+        if not state:
+            kernels.init_state(rule, strategy, param, state)
+        local_param, local_grad = _local(param), _local(grad)
+        tensors = {k: _local(v) for k, v in state.items() if k != "step"}
+        usable = (local_param.device == device and local_grad.device == device
+                  and local_param.is_contiguous() and local_grad.is_contiguous()
+                  and all(t.is_contiguous() and t.device == device for t in tensors.values()))
+        if not usable:  # rare layouts: the per-parameter path (it advances its own step)
+            optimizer._step_param(index, group, strategy, name, param, grad, grad_scale, None)
+            continue
+        entries.append(_Entry(name, local_param, local_grad, state, tensors))
+    if not entries:
+        return True
+
+    steps = [entry.state["step"] for entry in entries]
+    torch._foreach_add_(steps, 1.0)
+    values = torch.stack(steps).tolist() if len(steps) > 1 else [steps[0].item()]
+    coeffs_by_step: dict[int, tuple] = {}
+    for entry, value in zip(entries, values):
+        entry.step = int(value)
+        if entry.step not in coeffs_by_step:
+            coeffs_by_step[entry.step] = _pack(rule, rule.coefficients(group, entry.step),
+                                                 device)
+
+    # Jobs: one kernel call each. A large tensor (split every _MAX_CALL_NUMEL elements), or a
+    # bucket of small tensors of one (dtype, step) that is concatenated, stepped, copied back.
+    jobs: list[tuple[int, list[_Entry], int, int]] = []  # (step, members, start, stop)
+    buckets: dict[tuple, list[_Entry]] = {}
+    for entry in entries:
+        if entry.numel == 0:
+            continue
+        if entry.numel >= SMALL_NUMEL:
+            for start in range(0, entry.numel, _MAX_CALL_NUMEL):
+                jobs.append((entry.step, [entry], start, start + _MAX_CALL_NUMEL))
+        else:
+            buckets.setdefault((entry.param.dtype, entry.step), []).append(entry)
+    for (_, step), bucket in buckets.items():
+        chunk: list[_Entry] = []
+        total = 0
+        for entry in bucket:
+            if total + entry.numel > _MAX_CALL_NUMEL and chunk:
+                jobs.append((step, chunk, 0, total))
+                chunk, total = [], 0
+            chunk.append(entry)
+            total += entry.numel
+        jobs.append((step, chunk, 0, total))
+
+    compiled, eager = _group_kernel(rule, strategy, scaled, maximize)
+    scale = grad_scale.to(device) if scaled else None
+    seeds = None
+    if strategy.name == "stochastic":
+        seeds = draw_seeds(optimizer._generator(device), len(jobs), device)
+    for number, (step, members, start, stop) in enumerate(jobs):
+        packed, static = coeffs_by_step[step]
+        job_seeds = seeds[number] if seeds is not None else None
+        if len(members) == 1:
+            entry = members[0]
+            args = (entry.param.view(-1)[start:stop], entry.grad.view(-1)[start:stop],
+                    {k: v.view(-1)[start:stop] for k, v in entry.tensors.items()}, packed,
+                    static, scale, job_seeds)
+            compiled = _run(optimizer, compiled, eager, args)
+            continue
+        flat_param = torch.cat([e.param.view(-1) for e in members])
+        flat_grad = torch.cat([e.grad.view(-1) for e in members])
+        flat_state = {k: torch.cat([e.tensors[k].view(-1) for e in members])
+                      for k in members[0].tensors}
+        compiled = _run(optimizer, compiled, eager,
+                        (flat_param, flat_grad, flat_state, packed, static, scale, job_seeds))
+        sizes = [e.numel for e in members]
+        torch._foreach_copy_([e.param.view(-1) for e in members], flat_param.split(sizes))
+        for k, flat in flat_state.items():
+            torch._foreach_copy_([e.tensors[k].view(-1) for e in members], flat.split(sizes))
+    return True
+
+
+def _pack(rule, coeffs: dict, device: torch.device
+          ) -> tuple[tuple[tuple[str, ...], torch.Tensor], dict]:
+    """((keys, float64 vector), static): the coefficients that change from step to step in
+    one tensor (a new learning rate is new data, never a recompilation), the ones the kernels
+    branch on (``rule.static``) as Python values."""
+    keys = tuple(k for k in coeffs if k not in rule.static)
+    vector = torch.tensor([float(coeffs[k]) for k in keys], dtype=torch.float64, device=device)
+    return (keys, vector), {k: coeffs[k] for k in coeffs if k in rule.static}
+
+
+def _run(optimizer, compiled, eager, args):
+    """Run ``compiled`` (or ``eager`` once compilation failed); returns the kernel to use
+    for the next call."""
+    if compiled is eager:
+        eager(*args)
+        return eager
+    try:
+        compiled(*args)
+        return compiled
+    except Exception as error:
+        if not is_compile_error(error):
+            raise
+        mark_unavailable()
+        optimizer._warn_fallback(f"torch.compile failed ({type(error).__name__})")
+        eager(*args)  # compilation fails before the kernel runs: nothing was written
+        return eager

@@ -33,17 +33,23 @@ __all__ = [
     "reference_step",
     "represented_value",
     "compensation_of",
+    "state_dtype",
 ]
 
 
-def _state_dtype(strategy: Strategy, param: torch.Tensor) -> torch.dtype:
-    return param.dtype if strategy.states_in_weight_dtype else torch.float32
+def state_dtype(strategy: Strategy, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a rule's states: float32 for fp32/mixed; the weight dtype for bf16
+    weights; and bf16 for fp16 weights, because fp16's range cannot hold Adam's second
+    moment (``g**2`` underflows for ``|g| < 2**-12``, and eps = 1e-8 rounds to 0)."""
+    if not strategy.states_in_weight_dtype:
+        return torch.float32
+    return torch.bfloat16 if weight_dtype == torch.float16 else weight_dtype
 
 
 def init_state(rule: Rule, strategy: Strategy, param: torch.Tensor, state: dict) -> None:
     """Create a parameter's state for ``rule`` under ``strategy`` (zeros; exact copies)."""
     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-    dtype = _state_dtype(strategy, param)
+    dtype = state_dtype(strategy, param.dtype)
     for spec in rule.states:
         state[spec.name] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
         if spec.slow and strategy.mcf_slow_states:
@@ -78,28 +84,41 @@ def _load_weight(strategy: Strategy, param: torch.Tensor, state: dict) -> torch.
     return param.float()  # bf16, kahan (compensation handled when landing), stochastic
 
 
+def _axpy(base: torch.Tensor, update: torch.Tensor, scale) -> torch.Tensor:
+    """``base + update * scale`` with one rounding (a fused multiply-add, like torch's
+    ``add(x, alpha=s)``); ``scale`` None means 1, a 0-d tensor comes from the compiled path."""
+    if scale is None:
+        return base + update
+    if isinstance(scale, torch.Tensor):
+        return torch.addcmul(base, update, scale.to(base.dtype))
+    return torch.add(base, update, alpha=scale)
+
+
 def _land(strategy: Strategy, param, state, weight, decay, lr_wd, update, generator) -> None:
-    """Write ``weight * decay + update`` (float32) into the strategy's components.
+    """Write ``weight * decay + update * scale`` (float32) into the strategy's components
+    (``update`` is the ``(update, scale)`` pair a rule returns).
 
     ``lr_wd`` is ``1 - decay`` computed in float64 on the host (``decay - 1`` in float32
     would lose the digits of a small weight decay)."""
     name = strategy.name
+    update, scale = update
     if name in ("fp32", "mixed"):
         if not _is_one(decay):
             weight.mul_(decay)
-        weight.add_(update)
+        weight.copy_(_axpy(weight, update, scale))
         if name == "mixed":
             param.copy_(weight)  # round to nearest into the model's low-precision copy
         return
     if name == "kahan":
         comp = state["compensation"]
-        increment = update if _is_one(decay) else update - weight * lr_wd
+        increment = _axpy(-weight * lr_wd if not _is_one(decay) else
+                          torch.zeros_like(weight), update, scale)
         corrected = increment + comp.float()
         param.copy_(weight + corrected)
         # what this rounded add failed to land; float32 subtraction of nearby values: exact
         comp.copy_(corrected - (param.float() - weight))
         return
-    new = weight + update if _is_one(decay) else weight * decay + update
+    new = _axpy(weight if _is_one(decay) else weight * decay, update, scale)
     if name == "bf16":
         param.copy_(new)
     elif name == "stochastic":
@@ -159,11 +178,12 @@ def fast_step(
     """
     weight = _load_weight(strategy, param, state)
     working = _load_states(rule, strategy, state)
-    decay, update = rule.fast(weight, grad, working, c)
+    decay, update, scale = rule.fast(weight, grad, working, c)
     intended = None
     if want_intended:
-        intended = update.double() - weight.double() * c["lr_wd"]
-    _land(strategy, param, state, weight, decay, c["lr_wd"], update, generator)
+        wide_update = update.double() if scale is None else update.double() * scale
+        intended = wide_update - weight.double() * c["lr_wd"]
+    _land(strategy, param, state, weight, decay, c["lr_wd"], (update, scale), generator)
     _store_states(rule, strategy, state, working)
     return intended
 
@@ -219,11 +239,15 @@ def reference_step(
     """
     if strategy.name in ("fp32", "mixed"):
         return fast_step(rule, strategy, param, grad.float(), state, c, generator, want_intended)
-    ar = LowpArith(param.dtype)
+    # The rule computes in its states' dtype (bf16 for fp16 weights, see state_dtype); the
+    # update then lands in the weight's dtype.
+    ar = LowpArith(state_dtype(strategy, param.dtype))
     states = {name: state[name] for name in _rule_state_keys(rule, strategy)}
-    delta = rule.reference(ar, param, grad, states, c, strategy.mcf_slow_states)
+    delta = rule.reference(ar, param, mcf.round_to(grad, ar.dtype), states, c,
+                           strategy.mcf_slow_states)
     for name, value in states.items():
         state[name].copy_(value)
+    delta = mcf.round_to(delta, param.dtype)
     _land_reference(strategy, param, state, delta, generator)
     return delta.double() if want_intended else None
 

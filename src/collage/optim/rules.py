@@ -1,8 +1,9 @@
 """Update rules: AdamW, SGD (momentum, Nesterov) and Lion.
 
 A rule turns a gradient and its states into the intended update, returned as
-``(decay, update)`` meaning ``w_new = w * decay + update`` (``decay = 1 - lr * wd`` for
-decoupled weight decay). Each rule has two kernels over one parameter:
+``(decay, update, scale)`` meaning ``w_new = w * decay + update * scale`` (``decay = 1 - lr *
+wd`` for decoupled weight decay; ``scale`` None means 1). Keeping ``scale`` apart lets the
+landing be one fused multiply-add, as torch's ``add_(x, alpha=-lr)`` is. Each rule has two kernels over one parameter:
 
 * ``fast``: float32 registers. States arrive as float32 working tensors (the stored tensor
   itself when it is float32) and are updated in place; the caller stores them back.
@@ -113,7 +114,7 @@ class AdamWRule(Rule):
         exp_avg_sq.mul_(c["beta2"]).addcmul_(grad * c["one_minus_beta2"], grad)
         denom = (exp_avg_sq.sqrt() / c["bias_correction2_sqrt"]).add_(c["eps"])
         update = (exp_avg * -c["step_size"]) / denom
-        return c["decay"], update
+        return c["decay"], update, None
 
     def reference(self, ar, weight, grad, states, c, mcf_slow):
         states["exp_avg"] = ar.add(
@@ -147,17 +148,18 @@ class SGDRule(Rule):
         }
 
     def fast(self, weight, grad, states, c):
-        # grad + wd * w rounds like torch's grad.add(w, alpha=wd); likewise for the buffer.
+        # torch.optim.SGD's operations with the same (static) alphas: each add_(x, alpha=a)
+        # is one fused multiply-add on CPU, so the fp32 strategy matches it bit for bit.
         if c["weight_decay"] != 0:
-            grad = grad + weight * c["weight_decay"]
+            grad = grad.add(weight, alpha=c["weight_decay"])
         if c["momentum"] != 0:
             buf = states["momentum_buffer"]
             if c["first_step"]:
                 buf.copy_(grad)
             else:
-                buf.mul_(c["momentum"]).add_(grad * c["one_minus_dampening"])
-            grad = grad + buf * c["momentum"] if c["nesterov"] else buf
-        return 1.0, grad * -c["lr"]
+                buf.mul_(c["momentum"]).add_(grad, alpha=c["one_minus_dampening"])
+            grad = grad.add(buf, alpha=c["momentum"]) if c["nesterov"] else buf
+        return 1.0, grad, -c["lr"]
 
     def reference(self, ar, weight, grad, states, c, mcf_slow):
         if c["weight_decay"] != 0:
@@ -199,7 +201,7 @@ class LionRule(Rule):
         exp_avg = states["exp_avg"]
         direction = exp_avg.lerp(grad, c["one_minus_beta1"]).sign_()
         exp_avg.lerp_(grad, c["one_minus_beta2"])
-        return c["decay"], direction * -c["lr"]
+        return c["decay"], direction, -c["lr"]
 
     def reference(self, ar, weight, grad, states, c, mcf_slow):
         mixed = ar.add(
