@@ -7,9 +7,18 @@ to read the numbers: ``docs/metrics.md``.
 """
 
 from .sinks import CSVWriter, JSONLinesWriter, MetricsCallback, TensorBoardWriter
-from .stats import FAMILIES, FIELDS, UpdateStats, edq, imprecision, module_family
+from .stats import (
+    FAMILIES,
+    FIELDS,
+    UpdateStats,
+    edq,
+    imprecision,
+    module_family,
+    update_sums,
+)
 
 __all__ = [
+    "update_sums",
     "CSVWriter",
     "FAMILIES",
     "FIELDS",

@@ -26,7 +26,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["FAMILIES", "FIELDS", "UpdateStats", "edq", "imprecision", "module_family"]
+__all__ = ["FAMILIES", "FIELDS", "UpdateStats", "edq", "imprecision", "module_family",
+           "update_sums"]
 
 #: Layout of the per-key float64 sum vector kept by :class:`UpdateStats`.
 FIELDS: tuple[str, ...] = (
@@ -115,6 +116,20 @@ def imprecision(
     moving = d != 0
     stuck = (moving & (e == 0)).sum(dtype=torch.float64)
     return stuck / moving.sum(dtype=torch.float64)
+
+
+def update_sums(
+    intended: torch.Tensor,
+    change: torch.Tensor,
+    visible_change: torch.Tensor | None = None,
+    compensation: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The float64 sum vector (layout :data:`FIELDS`) of one update from the intended update
+    and the changes, for kernels that compute them in registers (see
+    :meth:`UpdateStats.add_sums`). Pure tensor code: safe inside ``torch.compile``."""
+    flat = [t.reshape(-1).to(torch.float64) if t is not None else None
+            for t in (intended, change, visible_change)]
+    return _stat_vector(flat[0], flat[1], flat[2], compensation)
 
 
 def _stat_vector(
@@ -258,6 +273,19 @@ class UpdateStats:
                 self._sums[key] = vec.clone()
             else:
                 acc.add_(vec.to(acc.device))
+
+    def add_sums(self, keys: str | Sequence[str], sums: torch.Tensor) -> None:
+        """Count a sum vector made by :func:`update_sums` into each of ``keys``."""
+        if self._reduced:
+            raise RuntimeError("UpdateStats was already reduced; call reset() before add()")
+        if sums.shape != (len(FIELDS),):
+            raise ValueError(f"sums must have shape ({len(FIELDS)},), got {tuple(sums.shape)}")
+        for key in _unique(keys):
+            acc = self._sums.get(key)
+            if acc is None:
+                self._sums[key] = sums.detach().to(torch.float64).clone()
+            else:
+                acc.add_(sums.to(acc.device, torch.float64))
 
     def reduce_(self, group: object | None = None, *, check_keys: bool = False) -> None:
         """Sum the accumulators over all ranks, in place, with ONE ``all_reduce(SUM)``.

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from . import fused, kernels
+from . import fused, kernels, tracked
 from .rules import Rule
 from .strategies import Strategy, check_weight, get_strategy
 
@@ -43,6 +43,17 @@ def _number(value: Any, name: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from integers (splitmix64 rounds): the same in every process and run."""
+    mask = (1 << 64) - 1
+    h = 0x9E3779B97F4A7C15
+    for value in values:
+        h = ((h ^ (value & mask)) * 0xBF58476D1CE4E5B9) & mask
+        h = ((h ^ (h >> 31)) * 0x94D049BB133111EB) & mask
+        h ^= h >> 29
+    return h & ((1 << 63) - 1)
 
 
 def _flat_views(param, grad, state):
@@ -94,6 +105,7 @@ class CollageOptimizer(Optimizer):
         self.update_stats: dict[str, float] = {}
         self._steps_taken = 0
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._positions: dict[int, int] | None = None
         self._warned_fused = False
         defaults = dict(defaults, strategy=strategy, foreach=foreach, fused=fused)
         super().__init__(params, defaults)
@@ -118,6 +130,7 @@ class CollageOptimizer(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        self._positions = None
         group = self.param_groups[-1]
         try:
             self._validate_group(group, len(self.param_groups) - 1)
@@ -171,7 +184,7 @@ class CollageOptimizer(Optimizer):
             batches.append((index, group, items))
         return batches
 
-    def _gradients_usable(self, batches) -> bool:
+    def _gradients_usable(self, batches, shard_group) -> bool:
         """Apply the GradScaler verdict and the non-finite policy with one host sync."""
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None:
@@ -191,7 +204,7 @@ class CollageOptimizer(Optimizer):
                     for x in torch.aminmax(grad)]
         bad = (~torch.isfinite(torch.stack(extremes)).all()).to(torch.float32) if extremes \
             else torch.zeros((), dtype=torch.float32, device=grads[0].device)
-        bad = self._all_ranks_max(bad)
+        bad = self._all_ranks_max(bad, shard_group)
         if not bool(bad.item()):
             return True
         names = [name for _, _, items in batches for name, _, grad in items
@@ -210,12 +223,35 @@ class CollageOptimizer(Optimizer):
         return False
 
     @staticmethod
-    def _all_ranks_max(flag: torch.Tensor) -> torch.Tensor:
+    def _all_ranks_max(flag: torch.Tensor, shard_group) -> torch.Tensor:
         """Sharded (FSDP2) ranks see different gradients: agree on skipping."""
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if shard_group is not None:
+            dist = torch.distributed
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard_group)
         return flag
+
+    @staticmethod
+    def _shard_group(batches):
+        """The process group the parameters are sharded over (FSDP2 DTensors), or None.
+
+        Only sharded ranks hold different parts of a tensor and see different gradients;
+        replicated parameters (DDP, plain tensors) need no collective. Reducing over the
+        default group instead double-counts the metrics under DDP and deadlocks an optimizer
+        that only some ranks step. HSDP's (Replicate, Shard) mesh reduces over the shard dim.
+        """
+        for _, _, items in batches:
+            for _, param, _ in items:
+                mesh = getattr(param, "device_mesh", None)
+                if mesh is None:
+                    continue
+                dims = [i for i, p in enumerate(param.placements) if p.is_shard()]
+                if len(dims) > 1:
+                    raise NotImplementedError(
+                        "collage optimizers support parameters sharded over one mesh "
+                        f"dimension, got placements {param.placements}")
+                if dims and mesh.size(dims[0]) > 1:
+                    return mesh.get_group(dims[0])
+        return None
 
     def _path(self, group: dict, device: torch.device) -> str:
         fused, foreach = group["fused"], group["foreach"]
@@ -236,9 +272,36 @@ class CollageOptimizer(Optimizer):
             self._generators[device] = generator
         return self._generators[device]
 
+    def _randomness(self, param, local_param, step: int) -> torch.Tensor:
+        """Uniform draws for stochastically rounding ``param`` at ``step``: counter-based.
+
+        Seeded by (seed, the parameter's position in the optimizer, step) and drawn for the
+        whole tensor, then sliced to this rank's shard: the numbers depend neither on the
+        sharding nor on generator state, so DDP ranks agree, FSDP2 equals one process at any
+        world size, and a checkpoint's per-parameter ``step`` is all a resume needs.
+        """
+        if self._positions is None:
+            params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+            self._positions = {id(p): i for i, p in enumerate(params)}
+        generator = torch.Generator(device=local_param.device)
+        generator.manual_seed(_mix(self.seed, self._positions[id(param)], step))
+        draws = torch.rand(param.shape, generator=generator, device=local_param.device)
+        if hasattr(param, "device_mesh"):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            shape, offset = compute_local_shape_and_global_offset(
+                param.shape, param.device_mesh, param.placements)
+            draws = draws[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        return draws.contiguous()
+
     def _measuring(self) -> bool:
         return self.track_updates > 0 and self._steps_taken % self.track_updates == 0
 
+    # Never traced by dynamo: inside a torch.compile'd training step, inductor would drop the
+    # bf16 round trips the compensation terms are made of (weight_lo and the Kahan
+    # compensation become 0). The step runs eagerly there; fused=True compiles its own
+    # kernels with the casts kept.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step; returns the closure's loss (or None)."""
@@ -247,7 +310,8 @@ class CollageOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         batches = self._gather()
-        if not self._gradients_usable(batches):
+        shard_group = self._shard_group(batches)
+        if not self._gradients_usable(batches, shard_group):
             return loss
         measuring = self._measuring()
         stats = self._new_stats() if measuring else None
@@ -257,11 +321,14 @@ class CollageOptimizer(Optimizer):
             if stats is None and fused.step_group(self, index, group, strategy, items,
                                                   grad_scale):
                 continue  # the fused path steps the whole group at once
+            if stats is not None and tracked.step_group_tracked(self, index, group, strategy,
+                                                                items, grad_scale, stats):
+                continue  # ... and measures it in the same pass
             for name, param, grad in items:
                 self._step_param(index, group, strategy, name, param, grad, grad_scale, stats)
         self._steps_taken += 1
         if stats is not None:
-            self.update_stats = self._finish_stats(stats)
+            self.update_stats = self._finish_stats(stats, shard_group)
         return loss
 
     def _step_param(self, index, group, strategy: Strategy, name, param, grad, grad_scale,
@@ -274,7 +341,7 @@ class CollageOptimizer(Optimizer):
         local_param, local_grad = _local(param), _local(grad)
         local_state = {k: _local(v) for k, v in state.items()}
         path = self._path(group, local_param.device)
-        generator = (self._generator(local_param.device)
+        generator = (self._randomness(param, local_param, int(state["step"].item()))
                      if strategy.name == "stochastic" else None)
         before = visible_before = None
         if stats is not None:
@@ -330,8 +397,8 @@ class CollageOptimizer(Optimizer):
         kernel = fused.compiled_step(self.rule, strategy) if path == "fused" else None
         flat = _flat_views(param, grad32, state) if kernel is not None else None
         if kernel is not None and flat is not None:
-            if generator is not None:  # draw outside the graph: same seeded stream as eager
-                generator = torch.rand(param.numel(), generator=generator, device=param.device)
+            if generator is not None:  # draws made outside the graph, flat like the tensors
+                generator = generator.reshape(-1)
             try:
                 intended = kernel(*flat, coeffs, generator, want)
                 return None if intended is None else intended.view(param.shape)
@@ -365,8 +432,9 @@ class CollageOptimizer(Optimizer):
             keys.append(name)
         return keys
 
-    def _finish_stats(self, stats) -> dict[str, float]:
-        stats.reduce_()
+    def _finish_stats(self, stats, shard_group) -> dict[str, float]:
+        if shard_group is not None:
+            stats.reduce_(shard_group)
         return stats.to_dict()
 
     # ----------------------------------------------------------------------- state dict
@@ -376,6 +444,7 @@ class CollageOptimizer(Optimizer):
         sd["collage"] = {
             "skipped_steps": self.skipped_steps,
             "steps_taken": self._steps_taken,
+            "seed": self.seed,  # keys the counter-based stochastic-rounding draws
             "generators": {str(d): g.get_state() for d, g in self._generators.items()},
         }
         return sd
@@ -408,8 +477,15 @@ class CollageOptimizer(Optimizer):
         if extra is not None:
             self.skipped_steps = extra.get("skipped_steps", 0)
             self._steps_taken = extra.get("steps_taken", 0)
+            self.seed = extra.get("seed", self.seed)
             for device, rng_state in extra.get("generators", {}).items():
                 self._generator(torch.device(device)).set_state(rng_state)
+        else:
+            # torch.distributed.checkpoint's get/set_state_dict keep only "state" and
+            # "param_groups" (and step once with lr=0 to create the states before loading):
+            # the per-parameter step counts tell how many steps were taken.
+            steps = [int(s["step"]) for s in self.state.values() if "step" in s]
+            self._steps_taken = max(steps, default=0)
 
     def _check_same_strategies(self, saved_groups: list[dict]) -> None:
         """A checkpoint's groups must use this optimizer's strategies (torch.optim would copy

@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 # Tensors below this many elements are batched (concatenated) into one kernel call.
-SMALL_NUMEL = 1 << 16
+SMALL_NUMEL = 1 << 14
 # Most elements one call handles: the in-kernel counter is an int32.
 _MAX_CALL_NUMEL = 1 << 30
 

@@ -1,0 +1,75 @@
+"""Cost of lost-update tracking: optimizer step time with ``track_updates`` off and on.
+
+Same run, same parameters, median of repeats after warm-up; prints the ratio tracked /
+untracked per strategy for the fused and foreach paths.
+
+Usage: ``python benchmarks/bench_metrics.py [--numel 4000000] [--repeats 15] [--json PATH]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+import collage
+
+
+def _params(numel: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    """A GPT-like mix: square and 4x matrices plus vectors, about ``numel`` elements."""
+    d = max(64, int((numel / 12.5) ** 0.5))
+    shapes = [(d, d), (d, 3 * d), (d, 4 * d), (4 * d, d), (d,), (d,), (4 * d,)]
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, dtype=torch.float32).mul_(0.02).to(dtype))
+            for s in shapes]
+
+
+def _time_steps(strategy: str, path: dict, track: bool, numel: int, repeats: int) -> float:
+    dtype = torch.float32 if strategy == "fp32" else torch.bfloat16
+    params = _params(numel, dtype)
+    named = [(f"p{i}", p) for i, p in enumerate(params)]
+    opt = collage.AdamW(named, lr=1e-3, strategy=strategy, track_updates=track, **path)
+    for p in params:
+        p.grad = torch.randn_like(p).mul_(1e-3)
+    for _ in range(3):  # warm-up, compilation
+        opt.step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        opt.step()
+        if track:
+            opt.update_stats["edq"]  # the values are host floats already (one sync)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=4_000_000)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--strategies", nargs="+", default=["bf16", "light", "plus", "mixed"])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    for strategy in args.strategies:
+        for path_name, path in (("fused", {"fused": True}), ("foreach", {"foreach": True})):
+            off = _time_steps(strategy, path, False, args.numel, args.repeats)
+            on = _time_steps(strategy, path, True, args.numel, args.repeats)
+            rows.append({"strategy": strategy, "path": path_name, "untracked_ms": off * 1e3,
+                         "tracked_ms": on * 1e3, "ratio": on / off})
+            print(f"{strategy:10s} {path_name:8s} untracked {off*1e3:8.2f} ms  "
+                  f"tracked {on*1e3:8.2f} ms  ratio {on/off:5.2f}x", flush=True)
+    if args.json:
+        meta = {"torch": torch.__version__, "collage": collage.__version__,
+                "machine": platform.processor() or platform.machine(),
+                "threads": torch.get_num_threads(), "numel": args.numel}
+        with open(args.json, "w") as handle:
+            json.dump({"meta": meta, "rows": rows}, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
