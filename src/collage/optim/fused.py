@@ -15,11 +15,12 @@ rate; a learning-rate schedule never recompiles.
   concatenated per (dtype, step) into flat buffers, stepped by one call and copied back, so
   that a model's many biases and norms do not each pay a call's fixed cost;
 * ``stochastic`` draws its uniforms *inside* the kernel from a counter-based hash
-  (:func:`counter_uniform`) keyed by seeds drawn from the optimizer's seeded generator each
-  step: no float32 draw tensor is written and read back, and the stream is as reproducible
-  and resumable as before (the generator's state is in ``state_dict``). It is a different
+  (:func:`counter_uniform`) keyed like the other paths by (seed, parameter position, step)
+  and indexed by the element's position in the whole tensor: no float32 draw tensor is
+  written and read back, and the draws are sharding- and resume-invariant. It is a different
   stream from the foreach path's ``torch.rand``; given the same draws the two paths agree
-  bit for bit (``tests/bench`` checks this).
+  bit for bit (``tests/bench`` checks this). Stochastic tensors are not batched (their
+  draws are keyed per tensor).
 
 Compiled kernels live in the process; their generated code is cached on disk by inductor's
 FX graph cache (default on; ``TORCHINDUCTOR_CACHE_DIR`` moves it), so a second process pays
@@ -44,6 +45,7 @@ __all__ = [
     "is_compile_error",
     "mark_unavailable",
     "step_group",
+    "stochastic_seeds",
 ]
 
 # Tensors below this many elements are batched (concatenated) into one kernel call.
@@ -121,21 +123,64 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def counter_uniform(n: int, seeds: torch.Tensor) -> torch.Tensor:
     """``n`` float32 uniforms in [0, 1) on a 2**-24 grid (like ``torch.rand``) for element
-    indices ``0..n-1``, keyed by the two int32 ``seeds``: two rounds of a 32-bit hash.
+    indices ``seeds[2] + 0..n-1``, keyed by the int32 ``seeds[0]``, ``seeds[1]``: two rounds
+    of a 32-bit hash.
 
     Pure function of (index, seeds): eager and compiled give the same bits, and inside a
     compiled kernel nothing is stored (the hash is computed in registers).
     """
-    index = torch.arange(n, dtype=torch.int32, device=seeds.device)
+    index = torch.arange(n, dtype=torch.int32, device=seeds.device) + seeds[2]
     h = _mix32(index ^ seeds[0])
     h = _mix32(h ^ seeds[1])
     return ((h >> 8) & 0xFFFFFF).to(torch.float32) * (2.0**-24)
 
 
 def draw_seeds(generator: torch.Generator, calls: int, device: torch.device) -> torch.Tensor:
-    """``calls`` pairs of int32 seeds from the optimizer's generator (no host sync)."""
-    return torch.randint(-(2**31), 2**31 - 1, (calls, 2), generator=generator,
-                         device=device, dtype=torch.int32)
+    """``calls`` rows of int32 ``[key0, key1, 0]`` drawn from ``generator`` (no host sync).
+    Kept for callers that key draws by generator state; :func:`stochastic_seeds` is the
+    sharding-invariant keying the fused path uses."""
+    keys = torch.randint(-(2**31), 2**31 - 1, (calls, 2), generator=generator, device=device,
+                         dtype=torch.int32)
+    return torch.cat([keys, torch.zeros(calls, 1, dtype=torch.int32, device=device)], dim=1)
+
+
+def stochastic_seeds(optimizer, param, step: int, first_index: int,
+                     device: torch.device) -> torch.Tensor:
+    """The int32 ``[key0, key1, first element index]`` of ``param``'s draws at ``step``.
+
+    Keyed like the other paths (``optimizer.seed``, the parameter's position in the
+    optimizer, the step) and indexed by the element's position in the *whole* tensor, so the
+    draws depend neither on sharding nor on generator state: DDP ranks agree, an FSDP2 shard
+    draws what one process draws for those elements, and a resume needs only ``step``.
+    """
+    from .base import _mix
+
+    if optimizer._positions is None:
+        params = (p for g in optimizer.param_groups for p in g["params"])
+        optimizer._positions = {id(p): i for i, p in enumerate(params)}
+    key = _mix(optimizer.seed, optimizer._positions[id(param)], step)
+    words = [(key & 0xFFFFFFFF) - (1 << 31), ((key >> 32) & 0x7FFFFFFF), first_index]
+    return torch.tensor(words, dtype=torch.int32, device=device)
+
+
+def _flat_offset(param, local) -> int | None:
+    """Index of ``local``'s first element in the flattened whole ``param``, when the local
+    tensor is one contiguous range of it (plain tensors; DTensors sharded on dim 0 only)."""
+    if not hasattr(param, "device_mesh"):
+        return 0
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements)
+    except Exception:  # pragma: no cover - other DTensor layouts
+        return None
+    if tuple(shape[1:]) != tuple(param.shape[1:]):
+        return None  # sharded on an inner dimension: not one flat range
+    inner = 1
+    for size in param.shape[1:]:
+        inner *= size
+    return int(offset[0]) * inner if len(offset) else 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -200,10 +245,12 @@ def _local(tensor):
 
 
 class _Entry:
-    __slots__ = ("name", "param", "grad", "state", "tensors", "numel", "step")
+    __slots__ = ("name", "whole", "param", "grad", "state", "tensors", "numel", "step",
+                 "offset")
 
-    def __init__(self, name, param, grad, state, tensors):
-        self.name, self.param, self.grad, self.state = name, param, grad, state
+    def __init__(self, name, whole, param, grad, state, tensors, offset):
+        self.name, self.whole, self.offset = name, whole, offset
+        self.param, self.grad, self.state = param, grad, state
         self.tensors = tensors  # state components (no "step"), local tensors
         self.numel = param.numel()
 
@@ -223,6 +270,7 @@ def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) 
     rule = optimizer.rule
     scaled = grad_scale is not None
     maximize = bool(group.get("maximize", False))
+    stochastic = strategy.name == "stochastic"
     entries: list[_Entry] = []
     for name, param, grad in items:
         state = optimizer.state[param]
@@ -230,13 +278,15 @@ def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) 
             kernels.init_state(rule, strategy, param, state)
         local_param, local_grad = _local(param), _local(grad)
         tensors = {k: _local(v) for k, v in state.items() if k != "step"}
+        offset = _flat_offset(param, local_param) if stochastic else 0
         usable = (local_param.device == device and local_grad.device == device
                   and local_param.is_contiguous() and local_grad.is_contiguous()
-                  and all(t.is_contiguous() and t.device == device for t in tensors.values()))
+                  and all(t.is_contiguous() and t.device == device for t in tensors.values())
+                  and offset is not None)
         if not usable:  # rare layouts: the per-parameter path (it advances its own step)
             optimizer._step_param(index, group, strategy, name, param, grad, grad_scale, None)
             continue
-        entries.append(_Entry(name, local_param, local_grad, state, tensors))
+        entries.append(_Entry(name, param, local_param, local_grad, state, tensors, offset))
     if not entries:
         return True
 
@@ -257,7 +307,7 @@ def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) 
     for entry in entries:
         if entry.numel == 0:
             continue
-        if entry.numel >= SMALL_NUMEL:
+        if entry.numel >= SMALL_NUMEL or stochastic:  # stochastic: draws keyed per tensor
             for start in range(0, entry.numel, _MAX_CALL_NUMEL):
                 jobs.append((entry.step, [entry], start, start + _MAX_CALL_NUMEL))
         else:
@@ -275,12 +325,13 @@ def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) 
 
     compiled, eager = _group_kernel(rule, strategy, scaled, maximize)
     scale = grad_scale.to(device) if scaled else None
-    seeds = None
-    if strategy.name == "stochastic":
-        seeds = draw_seeds(optimizer._generator(device), len(jobs), device)
-    for number, (step, members, start, stop) in enumerate(jobs):
+    for step, members, start, stop in jobs:
         packed, static = coeffs_by_step[step]
-        job_seeds = seeds[number] if seeds is not None else None
+        job_seeds = None
+        if stochastic:
+            entry = members[0]
+            job_seeds = stochastic_seeds(optimizer, entry.whole, step, entry.offset + start,
+                                         device)
         if len(members) == 1:
             entry = members[0]
             args = (entry.param.view(-1)[start:stop], entry.grad.view(-1)[start:stop],

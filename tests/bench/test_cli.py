@@ -1,0 +1,69 @@
+"""Smoke tests of `collage bench optimizer` and `collage bench train` (seconds each)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from collage.bench import common
+from collage.cli import main
+from collage.optim import fused
+
+needs_compiler = pytest.mark.skipif(not fused.available(), reason="no C++ compiler")
+
+
+@needs_compiler
+def test_bench_optimizer_small_json(capsys):
+    code = main(["bench", "optimizer", "--size", "small", "--repeats", "1", "--json",
+                 "--strategies", "plus", "--paths", "fused,foreach",
+                 "--baselines", "torch-foreach-bf16", "--warmup", "1", "--min-time", "0"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    (block,) = result["sizes"]
+    assert block["size"] == "small" and block["n_params"] == common.n_params("small")
+    keys = [r["key"] for r in block["rows"]]
+    assert keys[0] == "torch-fused-fp32"
+    for key in ("collage:plus:fused", "collage:plus:foreach",
+                "collage:plus:fused+check", "torch-foreach-bf16"):
+        assert key in keys
+    for row in block["rows"]:
+        assert row["time_s"]["median"] > 0 and row["time_s"]["p90"] >= row["time_s"]["min"]
+        assert row["GBps"] > 0 and row["roofline_fraction"] > 0
+        assert row["bytes_per_param"] == common.BYTES[row["key"].split(":")[1]
+                                                      if ":" in row["key"] else
+                                                      row["key"]].total
+    assert result["environment"]["torch"] and "checks" in result
+
+
+def test_bench_optimizer_rejects_unknown_strategy(capsys):
+    assert main(["bench", "optimizer", "--strategies", "fp64"]) == 2
+    assert "--strategies" in capsys.readouterr().err
+
+
+def test_byte_counts():
+    b = common.BYTES
+    assert b["torch-fused-fp32"].total == 28
+    assert (b["light"].total, b["plus"].total, b["bf16"].total) == (18, 22, 14)
+    # the issue's ideal speed-ups over torch's fused fp32 AdamW
+    assert round(28 / b["light"].total, 2) == 1.56 and round(28 / b["plus"].total, 2) == 1.27
+
+
+def test_gpt_shapes_cover_sizes():
+    assert 1.0e6 < common.n_params("1m") < 1.2e6
+    assert 16e6 < common.n_params("16m") < 18e6
+    assert common.n_params("100m") > 100e6
+
+
+@needs_compiler
+def test_bench_train_smoke(capsys):
+    code = main(["bench", "train", "--preset", "micro", "--modes", "autocast,plus",
+                 "--steps", "1", "--warmup", "0", "--json", "--threads", "1"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    modes = [r["mode"] for r in result["rows"]]
+    assert modes == ["autocast", "plus"]
+    for row in result["rows"]:
+        assert row["tokens_per_s"] > 0 and row["persistent_bytes"] > 0
+    assert {c["check"] for c in result["checks"]} == {
+        "plus tokens/s >= autocast tokens/s", "plus peak memory <= 0.85 x autocast"}
