@@ -65,7 +65,8 @@ def _train(strategy: str, steps: int = 3, **kwargs):
     return [p.detach().clone() for p in model.parameters()], opt
 
 
-@pytest.mark.parametrize("strategy", ["plus", "bf16", "mixed", "split", "kahan", "light"])
+@pytest.mark.parametrize("strategy", ["plus", "bf16", "mixed", "split", "kahan", "light",
+                                      "stochastic"])
 def test_measuring_does_not_change_the_fused_step(strategy):
     measured, opt = _train(strategy, fused=True, track_updates=True)
     plain, _ = _train(strategy, fused=True)

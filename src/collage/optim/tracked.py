@@ -69,10 +69,7 @@ def step_group_tracked(optimizer, index: int, group: dict, strategy, items, grad
     compiled, eager = _kernel(rule, strategy, grad_scale is not None,
                               bool(group.get("maximize", False)))
     scale = grad_scale.to(device) if grad_scale is not None else None
-    seeds = None
-    if strategy.name == "stochastic":
-        seeds = fused.draw_seeds(optimizer._generator(device), len(items), device)
-    for number, (name, param, grad) in enumerate(items):
+    for name, param, grad in items:
         state = optimizer.state[param]
         if not state:
             kernels.init_state(rule, strategy, param, state)
@@ -86,8 +83,16 @@ def step_group_tracked(optimizer, index: int, group: dict, strategy, items, grad
         packed, static = fused._pack(rule, rule.coefficients(group, int(state["step"].item())),
                                      device)
         flat = {k: v.view(-1) for k, v in tensors.items()}
-        args = (local_param.view(-1), local_grad.view(-1), flat, packed, static, scale,
-                seeds[number] if seeds is not None else None)
+        offset = fused._flat_offset(param, local_param)
+        if strategy.name == "stochastic" and offset is None:  # shard not one flat range
+            state["step"] -= 1
+            optimizer._step_param(index, group, strategy, name, param, grad, grad_scale, stats)
+            continue
+        seeds = None
+        if strategy.name == "stochastic":  # the same draws as an unmeasured fused step
+            seeds = fused.stochastic_seeds(optimizer, param, int(state["step"].item()),
+                                           offset, device)
+        args = (local_param.view(-1), local_grad.view(-1), flat, packed, static, scale, seeds)
         sums = _run(optimizer, compiled, eager, args)
         stats.add_sums(optimizer._stat_keys(index, group, name), sums)
     return True
