@@ -160,8 +160,10 @@ def grow(
     ``two_sum(s, t)`` is exact and leaves ``|lo'| <= ulp(hi')/2`` for any input pair. Hence
     ``hi' + lo' = hi + lo + x - d`` with ``|d| <= ulp(t)/2 <= u * |lo + e|``: for a normalised
     input ``|lo + e| <= (ulp(hi) + ulp(s)) / 2``, so each call errs by about ``u**2 * |hi|``.
-    We finish with two_sum instead of the paper's Fast2Sum because ``|s| >= |t|`` can fail
-    after cancellation (``x ~ -hi``); three extra operations buy no precondition.
+    We finish with two_sum instead of the paper's Fast2Sum so that *any* input pair works:
+    for normalised pairs ``|s| >= |t|`` holds (checked exhaustively for both float8 formats),
+    but an unnormalised ``lo`` (e.g. a user-built pair) can break Fast2Sum's precondition;
+    three extra operations buy no precondition.
     """
     _info_of(("hi", hi), ("lo", lo), ("x", x))
     s, e = two_sum(hi, x)
