@@ -348,7 +348,10 @@ class CollageOptimizer(Optimizer):
             before = kernels.represented_value(strategy, local_param, local_state)
             visible_before = local_param.detach().clone()
         if path == "reference":
-            grad_lp = self._prepare_grad(local_grad, group, grad_scale, local_param.dtype)
+            # unscale straight into the dtype the rule computes in (bf16 for fp16 weights):
+            # rounding to fp16 first would flush small unscaled gradients to zero
+            grad_lp = self._prepare_grad(local_grad, group, grad_scale,
+                                         kernels.state_dtype(strategy, local_param.dtype))
             intended = kernels.reference_step(self.rule, strategy, local_param, grad_lp,
                                               local_state, coeffs, generator, stats is not None)
         else:

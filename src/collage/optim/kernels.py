@@ -116,7 +116,7 @@ def _land(strategy: Strategy, param, state, weight, decay, lr_wd, update, genera
         corrected = increment + comp.float()
         param.copy_(weight + corrected)
         # what this rounded add failed to land; float32 subtraction of nearby values: exact
-        comp.copy_(corrected - (param.float() - weight))
+        comp.copy_(_residual(corrected - (param.float() - weight), param))
         return
     new = _axpy(weight if _is_one(decay) else weight * decay, update, scale)
     if name == "bf16":
@@ -125,13 +125,19 @@ def _land(strategy: Strategy, param, state, weight, decay, lr_wd, update, genera
         param.copy_(stochastic_round(new, param.dtype, generator))
     elif name in ("light", "plus"):
         param.copy_(new)
-        state["weight_lo"].copy_(new - param.float())  # exact residual, rounded once
+        state["weight_lo"].copy_(_residual(new - param.float(), param))  # exact, rounded once
     elif name == "split":
         weight_bits, low_bits = split_encode(new)
         param.copy_(weight_bits)
         state["weight_low_bits"].copy_(low_bits)
     else:  # pragma: no cover - guarded by get_strategy
         raise AssertionError(name)
+
+
+def _residual(residual: torch.Tensor, lead: torch.Tensor) -> torch.Tensor:
+    """The non-finite rule of ``collage.mcf``: a trailing component is +0 where its leading
+    component is inf/nan, so an overflow stays inf (``inf + (-inf)`` would be nan)."""
+    return torch.where(torch.isfinite(lead), residual, torch.zeros_like(residual))
 
 
 def _is_one(x) -> bool:
@@ -158,7 +164,7 @@ def _store_states(rule: Rule, strategy: Strategy, state: dict, working: dict) ->
             continue  # float32 state updated in place
         stored.copy_(value)
         if spec.slow and strategy.mcf_slow_states:
-            state[spec.name + "_lo"].copy_(value - stored.float())  # exact residual
+            state[spec.name + "_lo"].copy_(_residual(value - stored.float(), stored))
 
 
 def fast_step(
@@ -203,7 +209,7 @@ def _land_reference(strategy: Strategy, param, state, delta, generator) -> None:
         comp = state["compensation"]
         corrected = ar.add(delta, comp)
         total = ar.add(param, corrected)
-        comp.copy_(ar.sub(corrected, ar.sub(total, param)))
+        comp.copy_(_residual(ar.sub(corrected, ar.sub(total, param)), total))
         param.copy_(total)
     elif name == "stochastic":
         exact = param.double() + delta.double()  # exact: two 8/11-bit values, float64
