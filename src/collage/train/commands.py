@@ -1,0 +1,194 @@
+"""The ``compare``, ``train`` and ``memory`` subcommands of ``collage``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import textwrap
+from typing import Any
+
+from ..cli import UsageError
+from .config import Config, add_config_flags, config_from_args, strategies
+
+__all__ = ["register", "parse_count"]
+
+_FORMATTER = argparse.ArgumentDefaultsHelpFormatter
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "compare",
+        help="train one model under several precision strategies and report",
+        description=textwrap.dedent("""\
+            Train the same model from the same float32 initial weights on the same batches
+            under several precision strategies (default: all), then write results.json,
+            results.csv, history.json, config.json, report.md and PNG plots to --out.
+            A preset (default quick) sets every value; explicit flags override it."""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_flags(p, "compare")
+    p.set_defaults(func=cmd_compare)
+
+    p = subparsers.add_parser(
+        "train",
+        help="train one strategy, with atomic checkpoints and --resume",
+        description=textwrap.dedent("""\
+            Train one strategy (--strategy). With --out DIR a checkpoint (model, optimizer,
+            scheduler, data position, RNG states, history) is written atomically to
+            DIR/checkpoint.pt every --checkpoint-every steps and at the end; --resume
+            continues an interrupted run exactly. The final full-precision weights
+            (collage.consolidate) go to DIR/model_fp32.pt."""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_flags(p, "train")
+    p.set_defaults(func=cmd_train)
+
+    p = subparsers.add_parser(
+        "memory",
+        help="bytes per parameter of each strategy and totals for a model size",
+        description="The persistent memory (weights, gradients, optimizer states, "
+        "compensation) of each strategy per parameter, and in total for --params "
+        "parameters; activations are not included.",
+        formatter_class=_FORMATTER,
+    )
+    p.add_argument("--params", default="6.7e9", metavar="N",
+                   help="number of parameters: 6.7e9, 7B, 125M, 350k")
+    p.add_argument("--strategy", nargs="+", default=None, metavar="NAME",
+                   help="strategies to show, space or comma separated (default: all)")
+    p.add_argument("--grad-dtype", default="bf16", metavar="{bf16,fp32}",
+                   help="gradient dtype of the low-precision strategies")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_memory)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _out_dir(config: Config, command: str, suffix: str = "") -> str:
+    return config.run.out or os.path.join("runs", f"{command}-{config.preset}{suffix}")
+
+
+def _check_out(path: str) -> None:
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--out: {path!r} exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"--out: cannot create {path!r}: {error.strerror}") from None
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"--out: {path!r} is not writable")
+
+
+def _print(message: str) -> None:
+    print(message, flush=True)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import compare
+    from .data import load_corpus, make_batches
+    from .models import is_causal
+
+    config = config_from_args(args, "compare")
+    # Fail fast, in the parent, on data that cannot work (one line instead of a child's error).
+    make_batches(load_corpus(config.data), config.data, context=config.model.context,
+                 causal=is_causal(config.model.family), seed=config.run.seed)
+    out = _out_dir(config, "compare")
+    _check_out(out)
+    if not config.run.quiet:
+        jobs = len(config.run.strategy_list()) * max(len(config.run.beta2s), 1)
+        print(f"collage compare: preset {config.preset}, {jobs} runs of {config.run.steps} "
+              f"steps -> {out}", flush=True)
+    compare(config, out, log=_print)
+    if not config.run.quiet:
+        print(f"wrote {out}/report.md, results.json, results.csv, history.json, plots")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    import collage
+
+    from .compare import _write_json
+    from .runner import train_strategy
+
+    config = config_from_args(args, "train")
+    strategy = config.optim.strategy
+    out = _out_dir(config, "train", f"-{strategy}")
+    _check_out(out)
+    log = None if config.run.quiet else _print
+    result = train_strategy(
+        config, strategy, out_dir=out, checkpoint_every=config.run.checkpoint_every,
+        resume=config.run.resume, stop_after=config.run.stop_after, log=log,
+    )
+    s = result["summary"]
+    _write_json(os.path.join(out, "history.json"), result["history"])
+    _write_json(os.path.join(out, "summary.json"), s)
+    if s["completed"]:
+        weights = collage.consolidate(result["model"], result["optimizer"])
+        torch.save(weights, os.path.join(out, "model_fp32.pt"))
+    if log:
+        state = "finished" if s["completed"] else "stopped (resume with --resume)"
+        log(f"{strategy}: {state} at step {s['steps']}/{config.run.steps}; "
+            f"val loss {s['final_val_loss']:.4f} (ppl {s['final_val_ppl']:.2f}); "
+            f"{s['tokens_per_s']:,.0f} tokens/s; output in {out}")
+    return 0
+
+
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> float:
+    """``"6.7e9"``, ``"7B"``, ``"125M"``, ``"350k"`` as a number; UsageError otherwise."""
+    raw = text.strip().lower().replace("_", "").replace(",", "")
+    scale = 1.0
+    if raw and raw[-1] in _SUFFIX:
+        raw, scale = raw[:-1], _SUFFIX[raw[-1]]
+    try:
+        value = float(raw) * scale
+    except ValueError:
+        raise UsageError(f"--params: expected a number such as 6.7e9 or 7B, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise UsageError(f"--params: must be a positive number, got {text!r}")
+    return value
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    from .memory import GRAD_DTYPES, bytes_per_param, memory_table
+
+    n = parse_count(args.params)
+    valid = strategies()
+    chosen: list[str] = []
+    for item in args.strategy or []:
+        for name in filter(None, (x.strip() for x in item.split(","))):
+            if name not in valid:
+                raise UsageError(f"--strategy: unknown strategy {name!r}; valid: "
+                                 + ", ".join(valid))
+            if name not in chosen:
+                chosen.append(name)
+    chosen = chosen or list(valid)
+    if args.grad_dtype not in GRAD_DTYPES:
+        raise UsageError(f"--grad-dtype: expected bf16 or fp32, got {args.grad_dtype!r}")
+    if args.json:
+        mixed = bytes_per_param("mixed", args.grad_dtype).total * n
+        rows: list[dict[str, Any]] = []
+        for name in chosen:
+            b = bytes_per_param(name, args.grad_dtype)
+            rows.append({**b.to_dict(), "total_bytes": b.total * n,
+                         "saving_vs_mixed_bytes": mixed - b.total * n})
+        json.dump({"params": n, "grad_dtype": args.grad_dtype, "strategies": rows},
+                  sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"Persistent memory for {n:,.0f} parameters (gradients {args.grad_dtype}; "
+          f"bytes per parameter; GB = 1e9 bytes; activations not included)")
+    print()
+    print(memory_table(n, chosen, args.grad_dtype))
+    print()
+    print("weights: the model's weights (mixed: bf16 model + fp32 master); states: AdamW m and "
+          "v; comp: compensation (Collage lo, Kahan buffer, split low bits, v lo); vs mixed: "
+          "change of the total against mixed")
+    return 0

@@ -1,0 +1,486 @@
+"""Experiment configuration: nested keyword-only dataclasses, presets, and their CLI flags.
+
+Every field is a command-line flag whose help text is the field's ``help`` metadata; a preset
+(a plain function returning a :class:`Config`) sets the starting values and explicit flags
+override it. Validation happens in ``__post_init__`` and raises
+:class:`collage.cli.UsageError` with one line naming the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..cli import UsageError
+from .models import FAMILIES
+
+__all__ = [
+    "Config",
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RunConfig",
+    "PRESETS",
+    "get_preset",
+    "add_config_flags",
+    "config_from_args",
+    "strategies",
+]
+
+SCHEDULES = ("constant", "cosine", "linear")
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def strategies() -> tuple[str, ...]:
+    """The optimizer's public strategy names (``collage.STRATEGIES``)."""
+    import collage
+
+    return tuple(collage.STRATEGIES)
+
+
+def _opt(default: Any, help: str, *, flag: str | None = None, commands: tuple[str, ...] = (),
+         choices: tuple[str, ...] | None = None, metavar: str | None = None) -> Any:
+    """A dataclass field whose metadata becomes a CLI flag (``commands``: only those)."""
+    meta = {"help": help, "flag": flag, "commands": commands, "choices": choices,
+            "metavar": metavar}
+    if isinstance(default, (list, dict)):
+        raise TypeError("mutable defaults are not allowed")
+    return field(default=default, metadata=meta)
+
+
+def _flag(section: str, f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _fail(section: str, name: str, message: str) -> typing.NoReturn:
+    f = {x.name: x for x in dataclasses.fields(_SECTIONS[section])}[name]
+    raise UsageError(f"{_flag(section, f)}: {message}")
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and not value > 0:
+            _fail(section, name, f"must be positive, got {value}")
+
+
+def _finite(section: str, obj: Any) -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            _fail(section, f.name, f"must be a finite number, got {value}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The model: family and size (randomly initialised, never downloaded)."""
+
+    family: str = _opt("gpt", "model family: gpt (GPT-2 style), llama (RMSNorm, RoPE, SwiGLU), "
+                       "bert (masked LM)", choices=FAMILIES)
+    d_model: int = _opt(64, "width (embedding size)")
+    n_layers: int = _opt(2, "number of transformer blocks")
+    n_heads: int = _opt(4, "attention heads (must divide --d-model)")
+    d_ff: int | None = _opt(None, "MLP hidden size (none: 4*d_model; llama: about 8/3*d_model)")
+    context: int = _opt(64, "sequence length in tokens (also the number of learned positions)")
+    dropout: float = _opt(0.0, "dropout probability")
+    tie_weights: bool = _opt(False, "tie the output head to the token embedding")
+    init_std: float = _opt(0.02, "standard deviation of the N(0, std) weight initialisation")
+    rope_theta: float = _opt(10000.0, "RoPE base (llama)")
+    hf: bool = _opt(False, "build the transformers model (GPT2LMHeadModel, LlamaForCausalLM, "
+                    "BertForMaskedLM) from a config instead of our own modules")
+
+    def __post_init__(self) -> None:
+        _finite("model", self)
+        if self.family not in FAMILIES:
+            _fail("model", "family", f"unknown family {self.family!r}; valid: "
+                  + ", ".join(FAMILIES))
+        _positive("model", self, "d_model", "n_layers", "n_heads", "d_ff", "init_std",
+                  "rope_theta")
+        if self.d_model % self.n_heads:
+            _fail("model", "n_heads", f"{self.n_heads} heads do not divide d_model "
+                  f"{self.d_model}")
+        if self.family == "llama" and (self.d_model // self.n_heads) % 2:
+            _fail("model", "n_heads", f"RoPE needs an even head size, got "
+                  f"{self.d_model}/{self.n_heads} = {self.d_model // self.n_heads}")
+        if self.context < 2:
+            _fail("model", "context", f"must be at least 2 tokens, got {self.context}")
+        if not 0.0 <= self.dropout < 1.0:
+            _fail("model", "dropout", f"must be in [0, 1), got {self.dropout}")
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.family == "llama":
+            return -(-8 * self.d_model // 3 // 16) * 16  # 8/3 d rounded up to 16
+        return 4 * self.d_model
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """The text: built-in corpus, a local file, or a Hugging Face dataset."""
+
+    path: str | None = _opt(None, "local text file to train on (default: the built-in corpus, "
+                            "Python's pydoc topics)", flag="--data", metavar="PATH")
+    dataset: str | None = _opt(None, "Hugging Face dataset name or local data file/directory "
+                               "(needs the datasets package)", metavar="NAME|PATH")
+    dataset_config: str | None = _opt(None, "configuration name of --dataset "
+                                      "(e.g. wikitext-2-raw-v1)")
+    dataset_split: str = _opt("train", "split of --dataset to read")
+    text_column: str = _opt("text", "column of --dataset holding the text")
+    max_bytes: int | None = _opt(None, "use at most this many bytes of text (none: all)")
+    val_fraction: float = _opt(0.1, "fraction of the text held out for validation")
+    batch_size: int = _opt(16, "sequences per optimizer step")
+    mlm_probability: float = _opt(0.15, "fraction of tokens masked (bert)")
+
+    def __post_init__(self) -> None:
+        _finite("data", self)
+        if self.path is not None and self.dataset is not None:
+            _fail("data", "path", "give either --data or --dataset, not both")
+        if self.path is not None:
+            if not os.path.exists(self.path):
+                _fail("data", "path", f"cannot read {self.path!r}: no such file")
+            if not os.path.isfile(self.path):
+                _fail("data", "path", f"cannot read {self.path!r}: not a regular file")
+            if not os.access(self.path, os.R_OK):
+                _fail("data", "path", f"cannot read {self.path!r}: permission denied")
+        _positive("data", self, "max_bytes", "batch_size")
+        if not 0.0 < self.val_fraction < 1.0:
+            _fail("data", "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
+        if not 0.0 < self.mlm_probability < 1.0:
+            _fail("data", "mlm_probability", f"must be in (0, 1), got {self.mlm_probability}")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """collage.AdamW and its learning-rate schedule."""
+
+    strategy: str = _opt("plus", "precision strategy (train)", commands=("train",))
+    lr: float = _opt(2e-3, "peak learning rate")
+    beta1: float = _opt(0.9, "AdamW beta1")
+    beta2: float = _opt(0.999, "AdamW beta2")
+    eps: float = _opt(1e-8, "AdamW epsilon")
+    weight_decay: float = _opt(0.1, "decoupled weight decay of matrices and embeddings "
+                               "(biases and norms get none)")
+    schedule: str = _opt("cosine", "learning-rate schedule after warm-up", choices=SCHEDULES)
+    warmup_steps: int = _opt(20, "linear warm-up steps")
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of --lr")
+    grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: off)")
+    foreach: bool | None = _opt(None, "use the foreach (multi-tensor) kernels (none: automatic)")
+
+    def __post_init__(self) -> None:
+        _finite("optim", self)
+        valid = strategies()
+        if self.strategy not in valid:
+            _fail("optim", "strategy", f"unknown strategy {self.strategy!r}; valid: "
+                  + ", ".join(valid))
+        _positive("optim", self, "lr", "eps")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                _fail("optim", name, f"must be in [0, 1), got {getattr(self, name)}")
+        if self.schedule not in SCHEDULES:
+            _fail("optim", "schedule", f"unknown schedule {self.schedule!r}; valid: "
+                  + ", ".join(SCHEDULES))
+        for name in ("weight_decay", "warmup_steps", "grad_clip"):
+            if getattr(self, name) < 0:
+                _fail("optim", name, f"must not be negative, got {getattr(self, name)}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail("optim", "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Length, evaluation, measurement, output."""
+
+    steps: int = _opt(400, "optimizer steps")
+    eval_every: int = _opt(50, "evaluate the validation loss every this many steps")
+    eval_batches: int = _opt(8, "validation batches per evaluation (a fixed set)")
+    track_every: int = _opt(10, "measure EDQ and imprecision every this many steps (0: never)")
+    seed: int = _opt(0, "seed of the initial weights, the data order and the masking")
+    device: str = _opt("cpu", "cpu, cuda, or auto (cuda when available)", choices=DEVICES)
+    threads: int | None = _opt(None, "torch CPU threads per process (none: compare uses "
+                               "cores / jobs, train torch's default)")
+    out: str | None = _opt(None, "output directory (none: runs/<command>-<preset>)",
+                           metavar="DIR")
+    quiet: bool = _opt(False, "no progress bar")
+    strategies: tuple[str, ...] = _opt((), "strategies to compare (-: all)",
+                                       commands=("compare",))
+    beta2s: tuple[float, ...] = _opt((), "run every strategy once per beta2 value given here "
+                                     "(overrides --beta2)", commands=("compare",))
+    isolate: bool = _opt(True, "run each strategy in a fresh process (exact peak RSS per "
+                         "strategy)", commands=("compare",))
+    jobs: int | None = _opt(None, "strategies trained at the same time, each in its own "
+                            "process (none: one per CPU core on CPU, 1 on CUDA; needs "
+                            "--isolate)", commands=("compare",))
+    checkpoint_every: int = _opt(0, "write a checkpoint every this many steps (0: only at "
+                                 "the end)", commands=("train",))
+    resume: bool = _opt(False, "continue from the checkpoint in --out if there is one",
+                        commands=("train",))
+    stop_after: int | None = _opt(None, "stop (with a checkpoint) after this step, as if "
+                                  "interrupted; --resume continues", commands=("train",))
+
+    def __post_init__(self) -> None:
+        self.strategies = tuple(self.strategies)
+        self.beta2s = tuple(float(b) for b in self.beta2s)
+        _finite("run", self)
+        _positive("run", self, "steps", "eval_every", "eval_batches", "threads", "stop_after",
+                  "jobs")
+        for name in ("track_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                _fail("run", name, f"must not be negative, got {getattr(self, name)}")
+        if self.device not in DEVICES:
+            _fail("run", "device", f"unknown device {self.device!r}; valid: "
+                  + ", ".join(DEVICES))
+        valid = strategies()
+        for name in self.strategies:
+            if name not in valid:
+                _fail("run", "strategies", f"unknown strategy {name!r}; valid: "
+                      + ", ".join(valid))
+        if len(set(self.strategies)) != len(self.strategies):
+            _fail("run", "strategies", "a strategy is listed twice")
+        for b in self.beta2s:
+            if not (math.isfinite(b) and 0.0 <= b < 1.0):
+                _fail("run", "beta2s", f"every beta2 must be in [0, 1), got {b}")
+
+    def strategy_list(self) -> tuple[str, ...]:
+        return self.strategies or strategies()
+
+    def resolved_jobs(self, n_runs: int) -> int:
+        """Processes at once: ``jobs``, else one per usable core on CPU (1 on CUDA)."""
+        if not self.isolate:
+            return 1
+        if self.jobs is not None:
+            return max(1, min(self.jobs, n_runs))
+        if self.device != "cpu":
+            return 1
+        return max(1, min(_usable_cores(), n_runs))
+
+    def resolved_threads(self, jobs: int) -> int | None:
+        """Torch threads per compare process: ``threads``, else usable cores / jobs."""
+        if self.threads is not None:
+            return self.threads
+        if self.device != "cpu":
+            return None
+        return max(1, _usable_cores() // jobs)
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(kw_only=True)
+class Config:
+    """One experiment."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    preset: str = "custom"
+
+    def __post_init__(self) -> None:
+        if self.optim.warmup_steps > self.run.steps:
+            raise UsageError(f"--warmup-steps {self.optim.warmup_steps} exceeds --steps "
+                             f"{self.run.steps}")
+        if self.run.stop_after is not None and self.run.stop_after > self.run.steps:
+            raise UsageError(f"--stop-after {self.run.stop_after} exceeds --steps "
+                             f"{self.run.steps}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Config:
+        return cls(
+            model=ModelConfig(**d["model"]), data=DataConfig(**d["data"]),
+            optim=OptimConfig(**d["optim"]), run=RunConfig(**d["run"]),
+            preset=d.get("preset", "custom"),
+        )
+
+    def replace(self, **sections: dict[str, Any]) -> Config:
+        """A copy with fields changed per section: ``cfg.replace(run={"steps": 5})``."""
+        for name in sections:
+            if name not in _SECTIONS:
+                raise TypeError(f"unknown config section {name!r}")
+        changed = {
+            name: dataclasses.replace(getattr(self, name), **values)
+            for name, values in sections.items()
+        }
+        return dataclasses.replace(self, **changed)
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------------------------
+
+
+def quick() -> Config:
+    """Tiny GPT, byte level, 400 steps at beta2 = 0.999: every strategy in under 3 minutes
+    on 2 CPU cores (the dataclass defaults are exactly this preset)."""
+    return Config(preset="quick")
+
+
+def micro() -> Config:
+    """A few steps of a very small GPT: for tests and smoke runs (seconds)."""
+    return Config(
+        model=ModelConfig(d_model=32, n_layers=1, n_heads=2, context=32),
+        data=DataConfig(batch_size=4, max_bytes=100_000),
+        optim=OptimConfig(warmup_steps=2),
+        run=RunConfig(steps=6, eval_every=3, eval_batches=2, track_every=2),
+        preset="micro",
+    )
+
+
+def paper_small() -> Config:
+    """GPT-2 style with the paper's GPT recipe scaled down: AdamW betas (0.9, 0.95) and
+    (0.9, 0.999), weight decay 0.1, warm-up then cosine decay to lr/10, clip 1.0."""
+    return Config(
+        model=ModelConfig(family="gpt", d_model=128, n_layers=4, n_heads=4, context=128),
+        data=DataConfig(batch_size=16),
+        optim=OptimConfig(lr=1e-3, beta1=0.9, beta2=0.95, weight_decay=0.1,
+                          schedule="cosine", warmup_steps=80, min_lr_ratio=0.1, grad_clip=1.0),
+        run=RunConfig(steps=800, eval_every=100, eval_batches=16, track_every=20,
+                      beta2s=(0.95, 0.999)),
+        preset="paper-small",
+    )
+
+
+def bert_small() -> Config:
+    """BERT-style masked LM at beta2 = 0.999 (the setting where pure bf16 suffers)."""
+    return Config(
+        model=ModelConfig(family="bert", d_model=128, n_layers=4, n_heads=4, context=128),
+        data=DataConfig(batch_size=16, mlm_probability=0.15),
+        optim=OptimConfig(lr=1e-3, beta2=0.999, weight_decay=0.01, warmup_steps=60,
+                          min_lr_ratio=0.1),
+        run=RunConfig(steps=600, eval_every=100, eval_batches=16, track_every=20),
+        preset="bert-small",
+    )
+
+
+PRESETS = {"quick": quick, "paper-small": paper_small, "bert-small": bert_small,
+           "micro": micro}
+
+
+def get_preset(name: str) -> Config:
+    if name not in PRESETS:
+        raise UsageError(f"--preset: unknown preset {name!r}; valid: " + ", ".join(PRESETS))
+    return PRESETS[name]()
+
+
+# --------------------------------------------------------------------------------------------
+# Command-line flags
+# --------------------------------------------------------------------------------------------
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _base(tp: Any) -> tuple[Any, bool]:
+    """``(T, optional)`` for ``T`` or ``T | None``."""
+    args = typing.get_args(tp)
+    if (typing.get_origin(tp) in (typing.Union, types.UnionType)) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0], True
+    return tp, False
+
+
+def _convert(text: str, tp: Any, flag: str) -> Any:
+    """Parse one flag value; malformed input raises UsageError naming the flag."""
+    base, optional = _base(tp)
+    if optional and text.strip().lower() in ("none", "null", ""):
+        return None
+    if base is bool:
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise UsageError(f"{flag}: expected true or false, got {text!r}")
+    if base is int:
+        try:
+            value = float(text)
+        except ValueError:
+            raise UsageError(f"{flag}: expected an integer, got {text!r}") from None
+        if not value.is_integer():
+            raise UsageError(f"{flag}: expected an integer, got {text!r}")
+        return int(value)
+    if base is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise UsageError(f"{flag}: expected a number, got {text!r}") from None
+    return text
+
+
+def add_config_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """Add ``--preset`` and one flag per config field (those meant for ``command``)."""
+    parser.add_argument("--preset", default=argparse.SUPPRESS, metavar="NAME",
+                        help="starting configuration: " + ", ".join(PRESETS)
+                        + " (default: quick); flags override it")
+    for section, cls in _SECTIONS.items():
+        group = parser.add_argument_group(section, cls.__doc__.strip())
+        hints = _hints(cls)
+        for f in dataclasses.fields(cls):
+            commands = f.metadata.get("commands") or ()
+            if commands and command not in commands:
+                continue
+            flag, tp = _flag(section, f), hints[f.name]
+            base, optional = _base(tp)
+            choices = f.metadata.get("choices")
+            default = f.default
+            shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+            shown = "none" if shown is None else ("-" if shown == () else shown)
+            help_text = f"{f.metadata['help']} (default: {shown})"
+            dest = f"{section}.{f.name}"
+            if base is bool and not optional:
+                parser_group = group
+                parser_group.add_argument(flag, dest=dest, default=argparse.SUPPRESS,
+                                          action=argparse.BooleanOptionalAction,
+                                          help=f.metadata["help"] + f" (default: {default})")
+            elif typing.get_origin(base) is tuple:
+                group.add_argument(flag, dest=dest, default=argparse.SUPPRESS, nargs="+",
+                                   metavar="X", help=help_text + "; space or comma separated")
+            else:
+                metavar = ("{" + ",".join(choices) + "}") if choices else (
+                    f.metadata.get("metavar") or {int: "N", float: "X", bool: "BOOL"}.get(
+                        base, "TEXT"))
+                group.add_argument(flag, dest=dest, default=argparse.SUPPRESS,
+                                   metavar=metavar, help=help_text)
+
+
+def config_from_args(args: argparse.Namespace, command: str) -> Config:
+    """The preset named by ``--preset`` (default quick) with every given flag applied."""
+    config = get_preset(getattr(args, "preset", "quick"))
+    changes: dict[str, dict[str, Any]] = {}
+    for section, cls in _SECTIONS.items():
+        hints = _hints(cls)
+        for f in dataclasses.fields(cls):
+            dest = f"{section}.{f.name}"
+            if not hasattr(args, dest):
+                continue
+            raw, flag, tp = getattr(args, dest), _flag(section, f), hints[f.name]
+            if isinstance(raw, bool):
+                value: Any = raw
+            elif isinstance(raw, list):  # tuple field, nargs="+"
+                items = [x for part in raw for x in part.split(",") if x.strip()]
+                item_type = typing.get_args(tp)[0]
+                value = tuple(_convert(x.strip(), item_type, flag) for x in items)
+            else:
+                value = _convert(raw, tp, flag)
+            changes.setdefault(section, {})[f.name] = value
+    return config.replace(**changes)

@@ -1,0 +1,203 @@
+"""Memory: the bytes-per-parameter model of each strategy, and measurements of real runs.
+
+The model counts the tensors that live for the whole run, per parameter element:
+
+=========== ======= ========= ================== ============== =====
+strategy    weights gradients optimizer states   compensation   total
+=========== ======= ========= ================== ============== =====
+fp32        4       4         8 (m, v fp32)      0              16
+mixed       2 + 4   2         8 (m, v fp32)      0              16
+bf16        2       2         4 (m, v bf16)      0              8
+stochastic  2       2         4                  0              8
+kahan       2       2         4                  2 (Kahan buf)  10
+light       2       2         4                  2 (weight lo)  10
+plus        2       2         4                  4 (lo, v lo)   12
+split       2       2         4                  4 (low16, v lo) 12
+=========== ======= ========= ================== ============== =====
+
+``mixed`` keeps its fp32 master copy (4 bytes) under *weights* (2 + 4). With
+``grad_dtype="fp32"`` (gradients accumulated in fp32) every strategy but fp32 pays 2 more bytes.
+Activations, temporary buffers and the allocator's slack are not in the model: they depend on
+batch size and kernels, and are what the measured peak adds on top.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = [
+    "BytesPerParam",
+    "bytes_per_param",
+    "persistent_bytes",
+    "peak_rss_bytes",
+    "current_rss_bytes",
+    "memory_table",
+    "ROLES",
+]
+
+GRAD_DTYPES = ("bf16", "fp32")
+
+# strategy: (weights, optimizer states, compensation, layout description)
+_LAYOUT: dict[str, tuple[int, int, int, str]] = {
+    "fp32": (4, 8, 0, "w fp32 | g fp32 | m, v fp32"),
+    "mixed": (6, 8, 0, "w bf16 + fp32 master | g | m, v fp32"),
+    "bf16": (2, 4, 0, "w bf16 | g | m, v bf16"),
+    "stochastic": (2, 4, 0, "w bf16 (stochastic rounding) | g | m, v bf16"),
+    "kahan": (2, 4, 2, "w bf16 + Kahan buffer bf16 | g | m, v bf16"),
+    "light": (2, 4, 2, "w bf16 + lo bf16 | g | m, v bf16"),
+    "plus": (2, 4, 4, "w bf16 + lo bf16 | g | m, v bf16 + v lo bf16"),
+    "split": (2, 4, 4, "w bf16 + low 16 bits | g | m, v bf16 + v lo bf16"),
+}
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    """Persistent bytes per parameter element, by role."""
+
+    strategy: str
+    weights: int
+    gradients: int
+    optimizer_states: int
+    compensation: int
+    layout: str
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer_states + self.compensation
+
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "total": self.total}
+
+
+def bytes_per_param(strategy: str, grad_dtype: str = "bf16") -> BytesPerParam:
+    """The persistent bytes per parameter of ``strategy`` (see the module table).
+
+    ``grad_dtype`` is the gradient dtype of the low-precision strategies ("bf16": the
+    gradient has the weight's dtype, as autograd produces it; "fp32": gradients accumulated
+    in fp32). ``fp32`` always has fp32 gradients.
+    """
+    if strategy not in _LAYOUT:
+        raise ValueError(f"strategy {strategy!r} is unknown; valid strategies are: "
+                         + ", ".join(_LAYOUT))
+    if grad_dtype not in GRAD_DTYPES:
+        raise ValueError(f"grad_dtype {grad_dtype!r} is unknown; valid: " + ", ".join(GRAD_DTYPES))
+    weights, states, comp, layout = _LAYOUT[strategy]
+    grads = 4 if (strategy == "fp32" or grad_dtype == "fp32") else 2
+    if grad_dtype == "fp32" and strategy != "fp32":
+        layout = layout.replace("| g |", "| g fp32 |")
+    else:
+        layout = layout.replace("| g |", "| g bf16 |")
+    return BytesPerParam(strategy, weights, grads, states, comp, layout)
+
+
+def memory_table(n_params: float, strategies: Iterable[str], grad_dtype: str = "bf16") -> str:
+    """A plain-text table of bytes per parameter and totals for ``n_params`` parameters."""
+    baseline = bytes_per_param("mixed", grad_dtype).total * n_params
+    header = (f"{'strategy':<11} {'weights':>7} {'grads':>5} {'states':>6} {'comp':>4} "
+              f"{'B/param':>7} {'total GB':>9} {'vs mixed':>16}  layout")
+    lines = [header, "-" * len(header)]
+    for name in strategies:
+        b = bytes_per_param(name, grad_dtype)
+        total = b.total * n_params
+        saving = baseline - total
+        vs = f"{-saving / 1e9:+.2f} GB ({-saving / baseline:+.0%})" if saving else "0"
+        lines.append(
+            f"{name:<11} {b.weights:>7} {b.gradients:>5} {b.optimizer_states:>6} "
+            f"{b.compensation:>4} {b.total:>7} {total / 1e9:>9.2f} {vs:>16}  {b.layout}"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Measurement
+# --------------------------------------------------------------------------------------------
+
+
+def _tensors(obj: object) -> Iterable[torch.Tensor]:
+    """Every tensor inside nested dicts/lists/tuples."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
+#: Roles of :func:`persistent_bytes`, in the order the reports stack them.
+ROLES = ("weights", "master", "gradients", "optimizer_states", "compensation", "buffers")
+
+
+def _state_role(key: object) -> str:
+    """The role of an optimizer-state entry, by its key (collage's names; others: states)."""
+    if key == "master":
+        return "master"
+    if key in ("compensation", "weight_low_bits") or (isinstance(key, str)
+                                                      and key.endswith("_lo")):
+        return "compensation"
+    return "optimizer_states"
+
+
+def persistent_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+                     ) -> dict[str, int]:
+    """Exact bytes of the tensors that persist across steps, deduplicated by storage.
+
+    Walks the model's parameters and buffers, their ``.grad``, and every tensor in
+    ``optimizer.state``; a storage shared by several tensors (tied weights, views into a
+    flat buffer) counts once, under the first role that reaches it. Optimizer-state entries
+    are sorted by key: ``master`` (mixed's fp32 copy), compensation (``weight_lo``,
+    ``compensation``, ``weight_low_bits``, ``*_lo``) and optimizer states (moments, step
+    counters). Returns bytes per role (:data:`ROLES`), ``total``, ``model_total`` (all but
+    buffers: what :func:`bytes_per_param` models) and ``n_params``.
+    """
+    seen: set[tuple[str, int]] = set()
+    out = dict.fromkeys(ROLES, 0)
+
+    def count(role: str, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr())
+        if storage.nbytes() == 0 or key in seen:
+            return
+        seen.add(key)
+        out[role] += storage.nbytes()
+
+    params = list(model.parameters())  # deduplicated (tied weights once)
+    for p in params:
+        count("weights", p)
+    for p in params:
+        if p.grad is not None:
+            count("gradients", p.grad)
+    for b in model.buffers():
+        count("buffers", b)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            items = state.items() if isinstance(state, dict) else [(None, state)]
+            for key, value in items:
+                for t in _tensors(value):
+                    count(_state_role(key), t)
+    out["total"] = sum(out[r] for r in ROLES)
+    out["model_total"] = out["total"] - out["buffers"]
+    out["n_params"] = sum(p.numel() for p in params)
+    return out
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (``getrusage``; KiB on Linux, B on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def current_rss_bytes() -> int | None:
+    """This process's current resident set size, where /proc tells it (Linux)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            pages = int(handle.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * resource.getpagesize()

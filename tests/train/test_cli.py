@@ -1,0 +1,86 @@
+"""The train and memory commands, and one-line errors (exit 2, no traceback) on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import collage
+from collage.cli import main
+from collage.train.config import ModelConfig
+from collage.train.data import VOCAB_SIZE
+from collage.train.models import build_model
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["compare", "--strategies", "fp16"], "unknown strategy 'fp16'; valid: fp32, mixed"),
+        (["train", "--strategy", "fp16"], "--strategy: unknown strategy 'fp16'"),
+        (["compare", "--data", "/no/such.txt"], "--data: cannot read '/no/such.txt'"),
+        (["compare", "--d-model", "30", "--n-heads", "4"], "heads do not divide"),
+        (["compare", "--batch-size", "100000"], "too short for --batch-size 100000"),
+        (["compare", "--lr", "1e-3x"], "--lr: expected a number, got '1e-3x'"),
+        (["train", "--steps", "ten"], "--steps: expected an integer"),
+        (["memory", "--params", "lots"], "--params: expected a number"),
+        (["memory", "--strategy", "plus,nope"], "--strategy: unknown strategy 'nope'"),
+        (["memory", "--grad-dtype", "fp8"], "--grad-dtype: expected bf16 or fp32"),
+    ],
+)
+def test_bad_input_is_one_line(argv, message, capsys, tmp_path):
+    argv = argv + (["--out", str(tmp_path / "out")] if argv[0] != "memory" else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert err.count("\n") == 1 and err.startswith(f"collage {argv[0]}: error: ")
+
+
+def test_bad_input_from_the_shell_has_no_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "collage", "compare", "--strategies", "nope", "--out",
+         str(tmp_path)], capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+    assert "unknown strategy 'nope'" in proc.stderr
+
+
+def test_memory_command(capsys):
+    assert main(["memory", "--params", "6.7e9"]) == 0
+    out = capsys.readouterr().out
+    for name in collage.STRATEGIES:
+        assert name in out
+    assert "107.20" in out and "53.60" in out
+    assert main(["memory", "--params", "7B", "--strategy", "plus", "mixed", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["params"] == 7e9
+    plus, mixed = data["strategies"]
+    assert plus["total"] == 12 and mixed["total"] == 16
+    assert plus["saving_vs_mixed_bytes"] == 4 * 7e9
+    assert main(["memory", "--params", "1e9", "--grad-dtype", "fp32", "--json"]) == 0
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["strategies"]}
+    assert rows["bf16"]["total"] == 10 and rows["fp32"]["total"] == 16
+
+
+def test_train_command_stop_resume_and_export(tmp_path, capsys):
+    out = str(tmp_path / "t")
+    base = ["train", "--preset", "micro", "--strategy", "light", "--out", out, "--quiet"]
+    assert main(base + ["--stop-after", "3"]) == 0
+    assert not os.path.exists(os.path.join(out, "model_fp32.pt"))
+    with open(os.path.join(out, "summary.json")) as handle:
+        assert json.load(handle)["steps"] == 3
+    assert main(base + ["--resume"]) == 0
+    with open(os.path.join(out, "summary.json")) as handle:
+        summary = json.load(handle)
+    assert summary["steps"] == 6 and summary["completed"]
+    with open(os.path.join(out, "history.json")) as handle:
+        assert len(json.load(handle)["train_loss"]) == 6
+    weights = torch.load(os.path.join(out, "model_fp32.pt"), weights_only=True)
+    model = build_model(ModelConfig(d_model=32, n_layers=1, n_heads=2, context=32), VOCAB_SIZE)
+    model.load_state_dict(weights)
+    assert all(v.dtype == torch.float32 for v in weights.values())

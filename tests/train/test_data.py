@@ -1,0 +1,130 @@
+"""Corpus, byte tokens, the fixed split and the deterministic batch stream."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from collage.cli import UsageError
+from collage.train.config import DataConfig
+from collage.train.data import (
+    MASK_ID,
+    SPLIT_CHUNK,
+    VOCAB_SIZE,
+    Batches,
+    builtin_text,
+    decode,
+    encode,
+    load_corpus,
+    make_batches,
+    split_tokens,
+)
+
+
+def test_builtin_corpus_is_bundled_english_text():
+    text = builtin_text()
+    assert len(text) > 100_000 and "the" in text and text == builtin_text()
+    tokens = encode(text)
+    assert tokens.dtype == torch.uint8 and int(tokens.max()) < VOCAB_SIZE
+    assert decode(tokens[:50]) == text.encode()[:50].decode("utf-8", "replace")
+    assert MASK_ID == 256 and VOCAB_SIZE == 257
+
+
+def test_split_is_deterministic_disjoint_and_spread():
+    tokens = encode(builtin_text())
+    train, val = split_tokens(tokens, 0.1)
+    train2, val2 = split_tokens(tokens, 0.1)
+    assert torch.equal(train, train2) and torch.equal(val, val2)
+    assert len(train) + len(val) == len(tokens)
+    assert abs(len(val) / len(tokens) - 0.1) < 0.01
+    chunks = list(torch.split(tokens, SPLIT_CHUNK))
+    picked = [i for i in range(len(chunks)) if int((i + 1) * 0.1) > int(i * 0.1)]
+    assert torch.equal(val, torch.cat([chunks[i] for i in picked]))
+    assert picked[0] < 0.2 * len(chunks) and picked[-1] > 0.8 * len(chunks)  # spread out
+
+
+def _stream(seed=0, causal=True, n=20_000, unique=False):
+    tokens = torch.arange(n) if unique else torch.arange(n) % 251
+    return Batches(tokens, batch_size=4, context=16, causal=causal, seed=seed)
+
+
+def test_batches_depend_only_on_seed_and_step():
+    a, b = _stream(0), _stream(0)
+    forward = [a.batch(s) for s in range(0, 700, 7)]
+    backward = [b.batch(s) for s in reversed(range(0, 700, 7))][::-1]  # random access
+    for (x1, y1), (x2, y2) in zip(forward, backward):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    x, y = a.batch(3)
+    assert x.shape == y.shape == (4, 16)
+    assert torch.equal(x[:, 1:], y[:, :-1]), "targets are inputs shifted by one"
+    other = _stream(1)
+    assert not torch.equal(other.batch(0)[0], a.batch(0)[0])
+
+
+def test_epochs_visit_every_window_once():
+    s = _stream(unique=True)
+    starts = set()
+    for step in range(s.per_epoch):
+        x, _ = s.batch(step)
+        starts.update(int(row[0]) for row in x)
+    assert len(starts) == s.per_epoch * 4
+    assert s.position(s.per_epoch + 2) == {"epoch": 1, "batch": 2}
+
+
+def test_mlm_masking():
+    s = _stream(causal=False)
+    x, y = s.batch(5)
+    x2, y2 = s.batch(5)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    picked = y != -100
+    assert 0.05 < picked.float().mean() < 0.3
+    assert (x[~picked] != MASK_ID).all()
+    assert (x[picked] == MASK_ID).float().mean() > 0.5
+    val = s.fixed(2)
+    assert len(val) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(val, s.fixed(2)))
+
+
+def test_local_text_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("hello world, " * 5000, encoding="utf-8")
+    corpus = load_corpus(DataConfig(path=str(path)))
+    assert corpus.n_tokens == 13 * 5000 and "corpus.txt" in corpus.source
+    corpus = load_corpus(DataConfig(path=str(path), max_bytes=10_000))
+    assert corpus.n_tokens == 10_000
+
+
+def test_too_short_text_is_a_usage_error(tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text("tiny", encoding="utf-8")
+    cfg = DataConfig(path=str(path), batch_size=4)
+    with pytest.raises(UsageError, match="too short"):
+        make_batches(load_corpus(cfg), cfg, context=16, causal=True, seed=0)
+
+
+def test_hf_dataset_from_local_json(tmp_path):
+    pytest.importorskip("datasets")
+    path = tmp_path / "data.jsonl"
+    with open(path, "w") as handle:
+        for i in range(200):
+            handle.write(json.dumps({"text": f"line {i}: the quick brown fox " * 10}) + "\n")
+    corpus = load_corpus(DataConfig(dataset=str(path)))
+    assert corpus.n_tokens > 50_000 and "line 7" in decode(torch.cat([corpus.train, corpus.val]))
+    with pytest.raises(UsageError, match="no column"):
+        load_corpus(DataConfig(dataset=str(path), text_column="body"))
+
+
+def test_missing_datasets_package_is_a_usage_error(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name == "datasets":
+            raise ImportError("no datasets")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(UsageError, match="needs the datasets package"):
+        load_corpus(DataConfig(dataset="wikitext"))

@@ -1,0 +1,112 @@
+"""The three model families: shapes, gradients, dtypes, parameter names, tying, --hf."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from collage.metrics import module_family
+from collage.train.config import ModelConfig
+from collage.train.data import VOCAB_SIZE
+from collage.train.models import build_model, is_causal, logits_of
+
+FAMILIES = ("gpt", "llama", "bert")
+
+
+def tiny(family: str, **kw) -> ModelConfig:
+    return ModelConfig(family=family, d_model=32, n_layers=2, n_heads=4, context=16, **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_backward_shapes(family, dtype):
+    model = build_model(tiny(family), VOCAB_SIZE, seed=0).to(dtype)
+    x = torch.randint(0, 256, (3, 16))
+    logits = logits_of(model, x)
+    assert logits.shape == (3, 16, VOCAB_SIZE) and logits.dtype == dtype
+    logits.float().logsumexp(-1).mean().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == dtype, name
+        assert torch.isfinite(p.grad).all(), name
+    # shorter sequences than the context work too
+    assert logits_of(model, x[:, :5]).shape == (3, 5, VOCAB_SIZE)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_seeded_initialisation_is_reproducible(family):
+    a = build_model(tiny(family), VOCAB_SIZE, seed=3).state_dict()
+    b = build_model(tiny(family), VOCAB_SIZE, seed=3).state_dict()
+    c = build_model(tiny(family), VOCAB_SIZE, seed=4).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+    rng = torch.get_rng_state()
+    build_model(tiny(family), VOCAB_SIZE, seed=5)
+    assert torch.equal(rng, torch.get_rng_state()), "building must not touch the global RNG"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parameter_names_map_to_module_families(family):
+    model = build_model(tiny(family), VOCAB_SIZE, seed=0)
+    families = {name: module_family(name) for name, _ in model.named_parameters()}
+    assert "other" not in families.values(), families
+    assert {"embedding", "attention", "mlp", "norm", "head"} <= set(families.values())
+
+
+def test_family_samples():
+    gpt = dict(build_model(tiny("gpt"), VOCAB_SIZE).named_parameters())
+    assert {"transformer.wte.weight", "transformer.wpe.weight",
+            "transformer.h.0.attn.c_attn.weight", "transformer.h.0.mlp.c_fc.weight",
+            "transformer.h.1.ln_2.weight",
+            "transformer.ln_f.bias", "lm_head.weight"} <= set(gpt)
+    llama = dict(build_model(tiny("llama"), VOCAB_SIZE).named_parameters())
+    assert {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.mlp.gate_proj.weight", "model.layers.1.input_layernorm.weight",
+            "model.norm.weight", "lm_head.weight"} <= set(llama)
+    assert not any(name.endswith(".bias") for name in llama), "LLaMA has no biases"
+    bert = dict(build_model(tiny("bert"), VOCAB_SIZE).named_parameters())
+    assert {"bert.embeddings.word_embeddings.weight",
+            "bert.encoder.layer.0.attention.self.query.weight",
+            "bert.encoder.layer.0.intermediate.dense.weight",
+            "bert.encoder.layer.0.output.dense.weight",
+            "cls.predictions.decoder.weight"} <= set(bert)
+    assert module_family("bert.encoder.layer.0.output.dense.weight") == "mlp"
+    assert module_family("bert.encoder.layer.0.attention.output.dense.weight") == "attention"
+
+
+def test_causal_models_do_not_look_ahead():
+    for family in ("gpt", "llama"):
+        model = build_model(tiny(family), VOCAB_SIZE, seed=0).eval()
+        x = torch.randint(0, 256, (1, 16))
+        y = x.clone()
+        y[0, 10:] = (y[0, 10:] + 1) % 256
+        with torch.no_grad():
+            assert torch.allclose(model(x)[0, :10], model(y)[0, :10], atol=1e-6), family
+    assert is_causal("gpt") and is_causal("llama") and not is_causal("bert")
+    bert = build_model(tiny("bert"), VOCAB_SIZE, seed=0).eval()
+    x = torch.randint(0, 256, (1, 16))
+    y = x.clone()
+    y[0, 15] = (y[0, 15] + 1) % 256
+    with torch.no_grad():
+        assert not torch.allclose(bert(x)[0, 0], bert(y)[0, 0]), "BERT is bidirectional"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tied_weights_appear_once(family):
+    model = build_model(tiny(family, tie_weights=True), VOCAB_SIZE, seed=0)
+    untied = build_model(tiny(family), VOCAB_SIZE, seed=0)
+    n_tied = sum(p.numel() for p in model.parameters())
+    n_untied = sum(p.numel() for p in untied.parameters())
+    assert n_untied - n_tied == VOCAB_SIZE * 32
+    names = [n for n, _ in model.named_parameters()]
+    assert len(names) == len(set(names)) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_models_build_offline(family):
+    pytest.importorskip("transformers")
+    model = build_model(tiny(family, hf=True), VOCAB_SIZE, seed=0)
+    assert type(model).__module__.startswith("transformers")
+    logits = logits_of(model.to(torch.bfloat16), torch.randint(0, 256, (2, 16)))
+    assert logits.shape == (2, 16, VOCAB_SIZE) and logits.dtype == torch.bfloat16
+    families = {module_family(n) for n, _ in model.named_parameters()}
+    assert {"embedding", "attention", "mlp", "norm"} <= families
