@@ -188,20 +188,27 @@ def _flat_offset(param, local) -> int | None:
 # ---------------------------------------------------------------------------------------
 
 
+def kernel_inputs(grad, packed, static, scale, scaled: bool, maximize: bool):
+    """(coefficients, float32 gradient) inside a kernel: the per-step coefficients arrive
+    as one float64 vector (unpacked into 0-d views in the graph), the gradient in its own
+    dtype (converted, unscaled and negated in registers)."""
+    coeffs = dict(static)
+    for i, key in enumerate(packed[0]):
+        coeffs[key] = packed[1][i]
+    g = grad.float()
+    if scaled:
+        g = g / scale
+    if maximize:
+        g = -g
+    return coeffs, g
+
+
 def _group_kernel_body(rule, strategy, scaled: bool, maximize: bool) -> Callable:
     """The Python kernel of one variant: gradient in its own dtype in, components updated."""
     stochastic = strategy.name == "stochastic"
 
     def step(param, grad, state, packed, static, scale, seeds):
-        # per-step coefficients: one float64 vector, unpacked into 0-d views in the graph
-        coeffs = dict(static)
-        for i, key in enumerate(packed[0]):
-            coeffs[key] = packed[1][i]
-        g = grad.float()
-        if scaled:
-            g = g / scale
-        if maximize:
-            g = -g
+        coeffs, g = kernel_inputs(grad, packed, static, scale, scaled, maximize)
         draws = counter_uniform(param.numel(), seeds) if stochastic else None
         kernels.fast_step(rule, strategy, param, g, state, coeffs, draws, False)
 

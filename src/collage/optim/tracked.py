@@ -24,14 +24,7 @@ def _body(rule, strategy, scaled: bool, maximize: bool) -> Callable:
     stochastic = strategy.name == "stochastic"
 
     def step(param, grad, state, packed, static, scale, seeds):
-        coeffs = dict(static)
-        for i, key in enumerate(packed[0]):
-            coeffs[key] = packed[1][i]
-        g = grad.float()
-        if scaled:
-            g = g / scale
-        if maximize:
-            g = -g
+        coeffs, g = fused.kernel_inputs(grad, packed, static, scale, scaled, maximize)
         before = kernels.represented_value(strategy, param, state)
         visible_before = param.double()
         draws = fused.counter_uniform(param.numel(), seeds) if stochastic else None
