@@ -135,15 +135,6 @@ def counter_uniform(n: int, seeds: torch.Tensor) -> torch.Tensor:
     return ((h >> 8) & 0xFFFFFF).to(torch.float32) * (2.0**-24)
 
 
-def draw_seeds(generator: torch.Generator, calls: int, device: torch.device) -> torch.Tensor:
-    """``calls`` rows of int32 ``[key0, key1, 0]`` drawn from ``generator`` (no host sync).
-    Kept for callers that key draws by generator state; :func:`stochastic_seeds` is the
-    sharding-invariant keying the fused path uses."""
-    keys = torch.randint(-(2**31), 2**31 - 1, (calls, 2), generator=generator, device=device,
-                         dtype=torch.int32)
-    return torch.cat([keys, torch.zeros(calls, 1, dtype=torch.int32, device=device)], dim=1)
-
-
 def stochastic_seeds(optimizer, param, step: int, first_index: int,
                      device: torch.device) -> torch.Tensor:
     """The int32 ``[key0, key1, first element index]`` of ``param``'s draws at ``step``.

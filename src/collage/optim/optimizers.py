@@ -22,7 +22,8 @@ _SHARED_DOC = """
         step (int k); results in ``optimizer.update_stats``. Off (zero cost) by default.
     nonfinite: what a step does when a gradient holds inf/nan: ``"skip"`` (default: nothing
         changes, ``skipped_steps`` grows, a warning), ``"raise"``, or ``"ignore"``.
-    seed: seed of the stochastic-rounding generator (saved in ``state_dict``).
+    seed: seed of the stochastic-rounding draws, which are keyed by (seed, parameter
+        position, step) (saved in ``state_dict``).
 """
 
 
