@@ -108,34 +108,62 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import torch
-
-    import collage
-
-    from .compare import _write_json
+    from .distributed import launch, teardown, under_launcher
     from .runner import train_strategy
 
     config = config_from_args(args, "train")
     strategy = config.optim.strategy
     out = _out_dir(config, "train", f"-{strategy}")
     _check_out(out)
+    if config.run.nproc > 1 and not under_launcher():
+        _check_nproc(config)
+        return launch(config.run.nproc, args.argv)
     log = None if config.run.quiet else _print
-    result = train_strategy(
-        config, strategy, out_dir=out, checkpoint_every=config.run.checkpoint_every,
-        resume=config.run.resume, stop_after=config.run.stop_after, log=log,
-    )
+    try:
+        result = train_strategy(
+            config, strategy, out_dir=out, checkpoint_every=config.run.checkpoint_every,
+            resume=config.run.resume, stop_after=config.run.stop_after, log=log,
+            distributed=under_launcher(),
+        )
+        if result["ranks"].main:
+            _write_train_results(config, out, result, log)
+    finally:
+        teardown()
+    return 0
+
+
+def _check_nproc(config: Config) -> None:
+    import torch
+
+    from .runner import resolve_device
+
+    n = config.run.nproc
+    if config.data.batch_size % n:
+        raise UsageError(f"--nproc {n}: --batch-size {config.data.batch_size} must be "
+                         f"divisible by it (every process takes an equal slice)")
+    if resolve_device(config.run.device).type == "cuda" and torch.cuda.device_count() < n:
+        raise UsageError(f"--nproc {n}: only {torch.cuda.device_count()} CUDA devices "
+                         f"(one process per GPU)")
+
+
+def _write_train_results(config: Config, out: str, result: dict[str, Any], log) -> None:
+    import collage
+
+    from .compare import _write_json
+    from .runner import save_atomic
+
+    strategy = config.optim.strategy
     s = result["summary"]
     _write_json(os.path.join(out, "history.json"), result["history"])
     _write_json(os.path.join(out, "summary.json"), s)
     if s["completed"]:
         weights = collage.consolidate(result["model"], result["optimizer"])
-        torch.save(weights, os.path.join(out, "model_fp32.pt"))
+        save_atomic(weights, os.path.join(out, "model_fp32.pt"))
     if log:
         state = "finished" if s["completed"] else "stopped (resume with --resume)"
         log(f"{strategy}: {state} at step {s['steps']}/{config.run.steps}; "
             f"val loss {s['final_val_loss']:.4f} (ppl {s['final_val_ppl']:.2f}); "
             f"{s['tokens_per_s']:,.0f} tokens/s; output in {out}")
-    return 0
 
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}

@@ -224,13 +224,16 @@ class RunConfig:
                         commands=("train",))
     stop_after: int | None = _opt(None, "stop (with a checkpoint) after this step, as if "
                                   "interrupted; --resume continues", commands=("train",))
+    nproc: int = _opt(1, "processes to train with: data parallel under torchrun (DDP; gloo "
+                      "on CPU, NCCL on CUDA, one GPU per process); --batch-size is the "
+                      "global batch, split equally", commands=("train",))
 
     def __post_init__(self) -> None:
         self.strategies = tuple(self.strategies)
         self.beta2s = tuple(float(b) for b in self.beta2s)
         _finite("run", self)
         _positive("run", self, "steps", "eval_every", "eval_batches", "threads", "stop_after",
-                  "jobs")
+                  "jobs", "nproc")
         for name in ("track_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 _fail("run", name, f"must not be negative, got {getattr(self, name)}")

@@ -29,6 +29,7 @@ from collage.metrics import FAMILIES, module_family
 from ..cli import UsageError
 from .config import Config, OptimConfig
 from .data import VOCAB_SIZE, load_corpus, make_batches
+from .distributed import Ranks, all_sum, setup
 from .memory import current_rss_bytes, peak_rss_bytes, persistent_bytes
 from .models import build_model, is_causal, logits_of
 
@@ -51,7 +52,7 @@ STAT_KEYS = ("edq", "imprecision", "edq_visible", "imprecision_visible")
 # Run fields that may differ between an interrupted run and its resumption.
 RESUMABLE_RUN_FIELDS = ("resume", "stop_after", "quiet", "out", "checkpoint_every", "threads",
                         "eval_every", "eval_batches", "isolate", "strategies", "beta2s",
-                        "jobs")
+                        "jobs", "nproc")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -316,6 +317,7 @@ def train_strategy(
     log: Callable[[str], None] | None = None,
     progress: Callable[[int], None] | None = None,
     threads: int | None = None,
+    distributed: bool = False,
 ) -> dict[str, Any]:
     """Train ``strategy`` for ``config.run.steps`` steps; return ``{"summary", "history"}``.
 
@@ -327,6 +329,10 @@ def train_strategy(
     writes a checkpoint of the last completed step before it propagates. ``progress(n)`` is
     called after every step (instead of showing a progress bar); ``threads`` overrides
     ``config.run.threads``.
+
+    ``distributed``: this process is one rank of a launcher (torchrun); join the process
+    group, train the model wrapped in DDP on this rank's slice of each global batch, and
+    write checkpoints and log from rank 0 only. The result's ``"ranks"`` says which rank.
     """
     run = config.run
     beta2 = config.optim.beta2 if beta2 is None else beta2
@@ -334,6 +340,9 @@ def train_strategy(
     if threads:
         torch.set_num_threads(threads)
     device = resolve_device(run.device)
+    ranks, device = setup(device, config.data.batch_size) if distributed else (Ranks(), device)
+    if not ranks.main:
+        log = None
     rss_start = current_rss_bytes()
     cpu_start, wall_start = time.process_time(), time.perf_counter()
 
@@ -354,6 +363,7 @@ def train_strategy(
                          seed=run.seed)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, config.optim, run.steps))
+    net = _data_parallel(model, device) if ranks.distributed else model
 
     history: dict[str, Any] = {
         "step": [], "train_loss": [], "lr": [], "grad_norm": [],
@@ -379,7 +389,7 @@ def train_strategy(
         log(f"no checkpoint in {out_dir}; starting {strategy} at step 0")
 
     def save(step: int, rng: dict[str, Any]) -> None:
-        if checkpoint is None or checkpoint_every is None:
+        if checkpoint is None or checkpoint_every is None or not ranks.main:
             return
         save_atomic({
             "format": CHECKPOINT_FORMAT, "step": step, "strategy": strategy,
@@ -392,7 +402,8 @@ def train_strategy(
     tokens_per_step = config.data.batch_size * config.model.context
     persistent = None
     end = run.steps if stop_after is None else min(stop_after, run.steps)
-    bar = None if progress else _progress(run.steps, start_step, label or strategy, run.quiet)
+    bar = None if progress else _progress(run.steps, start_step, label or strategy,
+                                          run.quiet or not ranks.main)
     if start_step == 0 and not history["val_step"]:
         history["val_step"].append(0)
         history["val_loss"].append(evaluate(model, val_batches, device))
@@ -403,11 +414,12 @@ def train_strategy(
         for step in range(start_step, end):
             phase, rng_at_start = "forward", _rng_state()
             x, y = train_batches.batch(step)
-            x, y = x.to(device), y.to(device)
+            rows = ranks.batch_slice(x.shape[0])
+            x, y = x[rows].to(device), y[rows].to(device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            loss = _loss(model, x, y)
+            loss = _loss(net, x, y) if not ranks.distributed else _rank_loss(net, x, y, ranks)
             loss.backward()
             grad_norm = clip_gradients(model, config.optim.grad_clip)
             lr = opt.param_groups[0]["lr"]
@@ -418,7 +430,7 @@ def train_strategy(
             if persistent is None and opt.state:  # after the first real (not skipped) step
                 persistent = persistent_bytes(model, opt)
             opt.zero_grad(set_to_none=True)
-            loss_value = float(loss.detach())
+            loss_value = float(getattr(loss, "global_mean", loss).detach())
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
@@ -504,8 +516,33 @@ def train_strategy(
         "val_tokens": len(corpus.val),
         "device": str(device),
         "threads": torch.get_num_threads(),
+        "world_size": ranks.world_size,
     }
-    return {"summary": summary, "history": history, "model": model, "optimizer": opt}
+    return {"summary": summary, "history": history, "model": model, "optimizer": opt,
+            "ranks": ranks}
+
+
+def _data_parallel(model: nn.Module, device: torch.device) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                   else None)
+
+
+def _rank_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor, ranks: Ranks
+               ) -> torch.Tensor:
+    """This rank's share of the global mean token loss, scaled for DDP's gradient average.
+
+    DDP averages gradients over ranks, so the rank loss is ``sum_rank * world / count``
+    with ``count`` the global number of targets: the average is then the gradient of the
+    global mean, whatever each rank's share of the targets. The global mean itself (for
+    the history) is attached as ``.global_mean``.
+    """
+    total = _loss(net, x, y, reduction="sum")
+    count = all_sum((y != -100).sum(), ranks).clamp(min=1)
+    loss = total * (ranks.world_size / count)
+    loss.global_mean = all_sum(total.detach(), ranks) / count
+    return loss
 
 
 def _mean(values: list[float]) -> float:
