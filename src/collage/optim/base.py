@@ -140,6 +140,9 @@ class CollageOptimizer(Optimizer):
 
     def _validate_group(self, group: dict, index: int) -> None:
         strategy = get_strategy(group["strategy"])
+        if strategy.eight_bit and self.rule.name != "adamw":
+            raise ValueError(f"strategy {strategy.name!r} stores Adam's two moments in 8 bits "
+                             f"and supports AdamW only, not {self.rule.name}; use 'plus'")
         self._validate_hyperparameters(group)
         for flag in ("foreach", "fused"):
             if group[flag] not in (None, True, False):
@@ -343,6 +346,10 @@ class CollageOptimizer(Optimizer):
         path = self._path(group, local_param.device)
         generator = (self._randomness(param, local_param, int(state["step"].item()))
                      if strategy.name == "stochastic" else None)
+        if strategy.eight_bit:  # plus8 hashes its draws from the key (as the fused path)
+            generator = fused.stochastic_seeds(self, param, int(state["step"].item()),
+                                               fused._flat_offset(param, local_param) or 0,
+                                               local_param.device)
         before = visible_before = None
         if stats is not None:
             before = kernels.represented_value(strategy, local_param, local_state)

@@ -113,7 +113,7 @@ def _set_components(name: str, param, state, value) -> None:
     elif name == "kahan":
         param.copy_(mcf.round_to(wide, param.dtype))
         state["compensation"].copy_(mcf.round_to(wide - param.double(), param.dtype))
-    elif name in ("light", "plus"):
+    elif name in ("light", "plus", "plus8"):
         hi, lo = mcf.split(wide, param.dtype, 2)
         param.copy_(hi)
         state["weight_lo"].copy_(lo)

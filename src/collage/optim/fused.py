@@ -121,16 +121,17 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 16) & 0xFFFF)
 
 
-def counter_uniform(n: int, seeds: torch.Tensor) -> torch.Tensor:
+def counter_uniform(n: int, seeds: torch.Tensor, salt: int = 0) -> torch.Tensor:
     """``n`` float32 uniforms in [0, 1) on a 2**-24 grid (like ``torch.rand``) for element
     indices ``seeds[2] + 0..n-1``, keyed by the int32 ``seeds[0]``, ``seeds[1]``: two rounds
-    of a 32-bit hash.
+    of a 32-bit hash. A nonzero int32 ``salt`` gives an independent stream from the same
+    seeds (``plus8`` rounds two states per element).
 
     Pure function of (index, seeds): eager and compiled give the same bits, and inside a
     compiled kernel nothing is stored (the hash is computed in registers).
     """
     index = torch.arange(n, dtype=torch.int32, device=seeds.device) + seeds[2]
-    h = _mix32(index ^ seeds[0])
+    h = _mix32(index ^ (seeds[0] ^ salt) if salt else index ^ seeds[0])
     h = _mix32(h ^ seeds[1])
     return ((h >> 8) & 0xFFFFFF).to(torch.float32) * (2.0**-24)
 
@@ -200,7 +201,8 @@ def _group_kernel_body(rule, strategy, scaled: bool, maximize: bool) -> Callable
 
     def step(param, grad, state, packed, static, scale, seeds):
         coeffs, g = kernel_inputs(grad, packed, static, scale, scaled, maximize)
-        draws = counter_uniform(param.numel(), seeds) if stochastic else None
+        # plus8 draws its two streams inside fast_step from the seeds themselves
+        draws = counter_uniform(param.numel(), seeds) if stochastic else seeds
         kernels.fast_step(rule, strategy, param, g, state, coeffs, draws, False)
 
     return step
@@ -269,6 +271,9 @@ def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) 
     scaled = grad_scale is not None
     maximize = bool(group.get("maximize", False))
     stochastic = strategy.name == "stochastic"
+    # keyed draws (stochastic, plus8): one call per tensor, never batched; plus8's block
+    # scales also need the whole tensor in one call (it is never split)
+    keyed = stochastic or strategy.eight_bit
     entries: list[_Entry] = []
     for name, param, grad in items:
         state = optimizer.state[param]
@@ -276,7 +281,7 @@ def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) 
             kernels.init_state(rule, strategy, param, state)
         local_param, local_grad = _local(param), _local(grad)
         tensors = {k: _local(v) for k, v in state.items() if k != "step"}
-        offset = _flat_offset(param, local_param) if stochastic else 0
+        offset = _flat_offset(param, local_param) if keyed else 0
         usable = (local_param.device == device and local_grad.device == device
                   and local_param.is_contiguous() and local_grad.is_contiguous()
                   and all(t.is_contiguous() and t.device == device for t in tensors.values())
@@ -305,7 +310,9 @@ def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) 
     for entry in entries:
         if entry.numel == 0:
             continue
-        if entry.numel >= SMALL_NUMEL or stochastic:  # stochastic: draws keyed per tensor
+        if strategy.eight_bit:
+            jobs.append((entry.step, [entry], 0, entry.numel))
+        elif entry.numel >= SMALL_NUMEL or stochastic:  # stochastic: draws keyed per tensor
             for start in range(0, entry.numel, _MAX_CALL_NUMEL):
                 jobs.append((entry.step, [entry], start, start + _MAX_CALL_NUMEL))
         else:
@@ -326,7 +333,7 @@ def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) 
     for step, members, start, stop in jobs:
         packed, static = coeffs_by_step[step]
         job_seeds = None
-        if stochastic:
+        if keyed:
             entry = members[0]
             job_seeds = stochastic_seeds(optimizer, entry.whole, step, entry.offset + start,
                                          device)

@@ -10,6 +10,9 @@ rule states             e.g. ``exp_avg``, ``exp_avg_sq``: float32 for fp32/mixed
 ``compensation``        kahan: what the last rounded add lost, weight dtype
 ``weight_lo``           light/plus: low component of the (weight, weight_lo) MCF pair
 ``weight_low_bits``     split: int16, the 16 low bits of the float32 master
+plus8 (AdamW only)      ``exp_avg`` float8_e4m3fn codes and ``exp_avg_scale`` (float32, one
+                        per block of 128); ``exp_avg_sq`` e5m2, ``exp_avg_sq_lo`` uint8 and
+                        ``exp_avg_sq_scale``; ``weight_lo`` as plus (see ``eight_bit.py``)
 ======================  ==============================================================
 
 The *fast* kernel works in float32 registers: it loads the represented value ``W`` (the
@@ -23,6 +26,8 @@ from __future__ import annotations
 import torch
 
 from .. import mcf
+from . import eight_bit
+from . import fused as _fused  # counter_uniform (fused imports us: looked up at call time)
 from .rounding import LowpArith, split_decode, split_encode, stochastic_round
 from .rules import Coeffs, Rule
 from .strategies import Strategy
@@ -33,6 +38,7 @@ __all__ = [
     "reference_step",
     "represented_value",
     "compensation_of",
+    "moment_value",
     "state_dtype",
 ]
 
@@ -49,6 +55,9 @@ def state_dtype(strategy: Strategy, weight_dtype: torch.dtype) -> torch.dtype:
 def init_state(rule: Rule, strategy: Strategy, param: torch.Tensor, state: dict) -> None:
     """Create a parameter's state for ``rule`` under ``strategy`` (zeros; exact copies)."""
     state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    if strategy.eight_bit:
+        _init_eight_bit(rule, param, state)
+        return
     dtype = state_dtype(strategy, param.dtype)
     for spec in rule.states:
         state[spec.name] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
@@ -64,6 +73,72 @@ def init_state(rule: Rule, strategy: Strategy, param: torch.Tensor, state: dict)
         state["weight_low_bits"] = torch.zeros_like(param, dtype=torch.int16)
 
 
+def _init_eight_bit(rule: Rule, param: torch.Tensor, state: dict) -> None:
+    if rule.name != "adamw":
+        raise ValueError(f"strategy 'plus8' stores Adam's two moments in 8 bits and supports "
+                         f"AdamW only, not {rule.name}; use 'plus' for SGD and Lion")
+    blocks = eight_bit.n_blocks(param.numel())
+
+    def codes(dtype):
+        return torch.zeros(param.shape, dtype=dtype, device=param.device)
+
+    state["exp_avg"] = codes(eight_bit.CODE_DTYPE)
+    state["exp_avg_scale"] = torch.ones(blocks, dtype=torch.float32, device=param.device)
+    state["exp_avg_sq"] = codes(eight_bit.HI_DTYPE)
+    state["exp_avg_sq_lo"] = codes(eight_bit.LO_DTYPE)
+    state["exp_avg_sq_scale"] = torch.ones(blocks, dtype=torch.float32, device=param.device)
+    state["weight_lo"] = torch.zeros_like(param)
+
+
+# int32 salt of the second moment's uniforms (the first moment uses salt 0)
+_SECOND_MOMENT_SALT = 0x2545F491
+
+
+def _eight_bit_draws(seeds, grad: torch.Tensor, salt: int) -> torch.Tensor:
+    """float32 uniforms for plus8's stochastic rounding, one per element in row-major order.
+
+    ``seeds`` is ``fused.stochastic_seeds``'s key, (seed, parameter position, step): the same
+    draws on every path. Without one (the measured fused step of ``tracked.py`` passes
+    none) each element's draw is keyed by its index and its gradient's float32 bits instead:
+    still reproducible and resumable, a different stream.
+    """
+    n = grad.numel()
+    if seeds is not None:
+        return _fused.counter_uniform(n, seeds, salt)
+    index = torch.arange(n, dtype=torch.int32, device=grad.device)
+    h = _fused._mix32(_fused._mix32(index ^ grad.reshape(-1).view(torch.int32)) ^ salt)
+    return ((h >> 8) & 0xFFFFFF).to(torch.float32) * (2.0**-24)
+
+
+def _load_eight_bit(state: dict) -> dict[str, torch.Tensor]:
+    return {
+        "exp_avg": eight_bit.decode_q8(state["exp_avg"], state["exp_avg_scale"]),
+        "exp_avg_sq": eight_bit.decode_pair11(state["exp_avg_sq"], state["exp_avg_sq_lo"],
+                                              state["exp_avg_sq_scale"]),
+    }
+
+
+def _store_eight_bit(state: dict, m: torch.Tensor, v: torch.Tensor, u_m, u_v) -> None:
+    code, scale = eight_bit.encode_q8(m, u_m)
+    state["exp_avg"].copy_(code)
+    state["exp_avg_scale"].copy_(scale)
+    hi, lo, scale = eight_bit.encode_pair11(v, u_v)
+    state["exp_avg_sq"].copy_(hi)
+    state["exp_avg_sq_lo"].copy_(lo)
+    state["exp_avg_sq_scale"].copy_(scale)
+
+
+def moment_value(strategy: Strategy, state: dict, name: str) -> torch.Tensor:
+    """A rule state's represented value in float64 (decoded for plus8, hi + lo under an MCF
+    strategy): what the metrics and the reports read."""
+    if strategy.eight_bit:
+        return {k: v.double() for k, v in _load_eight_bit(state).items()}[name]
+    value = state[name].double()
+    if name + "_lo" in state:
+        value = value + state[name + "_lo"].double()
+    return value
+
+
 # ---------------------------------------------------------------------------------------
 # float32-register path
 # ---------------------------------------------------------------------------------------
@@ -76,7 +151,7 @@ def _load_weight(strategy: Strategy, param: torch.Tensor, state: dict) -> torch.
         return param
     if name == "mixed":
         return state["master"]
-    if name in ("light", "plus"):
+    if name in ("light", "plus", "plus8"):
         # Rounded to float32 when lo has bits below float32's last place (error <= 2**-24).
         return param.float() + state["weight_lo"].float()
     if name == "split":
@@ -123,7 +198,7 @@ def _land(strategy: Strategy, param, state, weight, decay, lr_wd, update, genera
         param.copy_(new)
     elif name == "stochastic":
         param.copy_(stochastic_round(new, param.dtype, generator))
-    elif name in ("light", "plus"):
+    elif name in ("light", "plus", "plus8"):
         param.copy_(new)
         state["weight_lo"].copy_(_residual(new - param.float(), param))  # exact, rounded once
     elif name == "split":
@@ -183,14 +258,22 @@ def fast_step(
     ``W * (decay - 1) + update`` in float64 when ``want_intended`` (for the metrics).
     """
     weight = _load_weight(strategy, param, state)
-    working = _load_states(rule, strategy, state)
+    working = _load_eight_bit(state) if strategy.eight_bit else \
+        _load_states(rule, strategy, state)
     decay, update, scale = rule.fast(weight, grad, working, c)
     intended = None
     if want_intended:
         wide_update = update.double() if scale is None else update.double() * scale
         intended = wide_update - weight.double() * c["lr_wd"]
+    if strategy.eight_bit:  # generator: the int32 seeds of the draws (or None)
+        draws = (_eight_bit_draws(generator, grad, 0),
+                 _eight_bit_draws(generator, grad, _SECOND_MOMENT_SALT))
+        generator = None
     _land(strategy, param, state, weight, decay, c["lr_wd"], (update, scale), generator)
-    _store_states(rule, strategy, state, working)
+    if strategy.eight_bit:
+        _store_eight_bit(state, working["exp_avg"], working["exp_avg_sq"], *draws)
+    else:
+        _store_states(rule, strategy, state, working)
     return intended
 
 
@@ -214,7 +297,7 @@ def _land_reference(strategy: Strategy, param, state, delta, generator) -> None:
     elif name == "stochastic":
         exact = param.double() + delta.double()  # exact: two 8/11-bit values, float64
         param.copy_(stochastic_round(exact, param.dtype, generator))
-    elif name in ("light", "plus"):
+    elif name in ("light", "plus", "plus8"):
         hi, lo = mcf.grow(param, state["weight_lo"], delta)
         param.copy_(hi)
         state["weight_lo"].copy_(lo)
@@ -245,6 +328,10 @@ def reference_step(
     """
     if strategy.name in ("fp32", "mixed"):
         return fast_step(rule, strategy, param, grad.float(), state, c, generator, want_intended)
+    if strategy.eight_bit:
+        delta = _reference_eight_bit(param, grad, state, c, generator)
+        _land_reference(strategy, param, state, delta, None)
+        return delta.double() if want_intended else None
     # The rule computes in its states' dtype (bf16 for fp16 weights, see state_dtype); the
     # update then lands in the weight's dtype.
     ar = LowpArith(state_dtype(strategy, param.dtype))
@@ -256,6 +343,44 @@ def reference_step(
     delta = mcf.round_to(delta, param.dtype)
     _land_reference(strategy, param, state, delta, generator)
     return delta.double() if want_intended else None
+
+
+def _reference_eight_bit(param, grad, state, c: Coeffs, seeds) -> torch.Tensor:
+    """plus8's AdamW step, reference arithmetic; returns the bf16 update to land.
+
+    Each moment is updated by its exact EMA (float64: products and sums of <= 12-bit values
+    with float64 coefficients, error <= 2**-52 relative) rounded *once* into its 8-bit format
+    by the float64 encoder, with the same draws as the fast path. Op-by-op e4m3 arithmetic
+    could not express the EMA at all (beta2 = 0.999 rounds to 1.0 in e4m3, and (1 - beta2) g**2
+    is below half an e4m3 spacing of v): one rounding per state update is what a float8 unit
+    with a wide accumulator computes. The update is then computed op by op in bf16 from the
+    moments of this step, rounded once to bf16 (like the fast path, which uses the float32
+    moments before they are stored), as ``AdamWRule.reference`` does, then landed with
+    ``mcf.grow``.
+    """
+    from .rules import _reference_decay_term
+
+    g = grad.double()
+    m = eight_bit.decode_q8_reference(state["exp_avg"], state["exp_avg_scale"])
+    v = eight_bit.decode_pair11_reference(state["exp_avg_sq"], state["exp_avg_sq_lo"],
+                                          state["exp_avg_sq_scale"])
+    m = c["beta1"] * m + c["one_minus_beta1"] * g
+    v = c["beta2"] * v + c["one_minus_beta2"] * (g * g)
+    g32 = grad.float()
+    code, m_scale = eight_bit.encode_q8_reference(m, _eight_bit_draws(seeds, g32, 0))
+    hi, lo, v_scale = eight_bit.encode_pair11_reference(
+        v, _eight_bit_draws(seeds, g32, _SECOND_MOMENT_SALT))
+    state["exp_avg"].copy_(code.view(param.shape))  # on the e4m3 grid: the cast is exact
+    state["exp_avg_scale"].copy_(m_scale)
+    state["exp_avg_sq"].copy_(hi.view(param.shape))
+    state["exp_avg_sq_lo"].copy_(lo.view(param.shape))
+    state["exp_avg_sq_scale"].copy_(v_scale)
+    ar = LowpArith(torch.bfloat16)  # the update uses this step's moments before storage
+    m_b, v_b = mcf.round_to(m, ar.dtype), mcf.round_to(v, ar.dtype)
+    root = ar.div(ar.sqrt(v_b), ar.c(c["bias_correction2_sqrt"], m_b))
+    denom = ar.add(root, ar.c(c["eps"], m_b))
+    update = ar.div(ar.mul(ar.c(-c["step_size"], m_b), m_b), denom)
+    return mcf.round_to(_reference_decay_term(ar, param, update, c).double(), param.dtype)
 
 
 def _rule_state_keys(rule: Rule, strategy: Strategy) -> list[str]:
@@ -281,7 +406,7 @@ def represented_value(strategy: Strategy, param: torch.Tensor, state: dict) -> t
     name = strategy.name
     if name == "mixed" and "master" in state:
         return state["master"].double()
-    if name in ("light", "plus") and "weight_lo" in state:
+    if name in ("light", "plus", "plus8") and "weight_lo" in state:
         return param.double() + state["weight_lo"].double()
     if name == "kahan" and "compensation" in state:
         return param.double() + state["compensation"].double()

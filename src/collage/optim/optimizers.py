@@ -12,7 +12,8 @@ __all__ = ["AdamW", "SGD", "Lion"]
 _SHARED_DOC = """
     strategy: how weights and states are stored and how updates land: one of ``fp32``,
         ``mixed``, ``bf16``, ``kahan``, ``stochastic``, ``light``, ``plus``, ``split``
-        (``docs/strategies.md``). Also a per-param-group key. Default ``"plus"``.
+        (``docs/strategies.md``), and for AdamW ``plus8`` (8-bit moments,
+        ``docs/eight_bit.md``). Also a per-param-group key. Default ``"plus"``.
     foreach, fused: implementation, following torch.optim: ``fused=True`` compiles the
         float32-register kernel (torch.compile; falls back to foreach with one warning);
         ``foreach=True`` runs that kernel eagerly; ``foreach=False`` (and fused not True)

@@ -24,7 +24,9 @@ class Strategy:
     states (moments) are stored in the weight's dtype (else float32). ``mcf_slow_states``: the
     rule's slowly decaying EMA (Adam's second moment, Lion's momentum) is a two-component
     expansion ``(x, x_lo)`` so that updates of size ``(1 - beta) * x`` are not rounded away.
-    ``extra``: the per-weight tensor kept beside the weight, if any.
+    ``extra``: the per-weight tensor kept beside the weight, if any. ``eight_bit``: Adam's
+    moments are block-scaled float8 codes rounded stochastically (``optim/eight_bit.py``;
+    AdamW only).
     """
 
     name: str
@@ -33,6 +35,7 @@ class Strategy:
     mcf_slow_states: bool
     extra: str | None
     summary: str
+    eight_bit: bool = False
 
 
 _ALL = (
@@ -52,6 +55,9 @@ _ALL = (
              "Collage-light plus the second moment as an MCF with beta2 split (Collage-plus)"),
     Strategy("split", (torch.bfloat16,), True, True, "weight_low_bits",
              "bf16 weight plus the 16 low bits of an fp32 master: exact fp32 update"),
+    Strategy("plus8", (torch.bfloat16,), True, True, "weight_lo",
+             "Collage-light weights; m in 1 byte (e4m3), v in 2 (e4m3 + 8 low bits), "
+             "block-scaled, stochastically rounded (AdamW only)", eight_bit=True),
 )
 
 STRATEGIES: tuple[str, ...] = tuple(s.name for s in _ALL)

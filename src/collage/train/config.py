@@ -37,11 +37,18 @@ SCHEDULES = ("constant", "cosine", "linear")
 DEVICES = ("cpu", "cuda", "auto")
 
 
+#: Baselines that are not collage strategies, run by name (``runner.make_optimizer``).
+BASELINES = ("torchao-adamw8bit",)
+#: What ``collage compare`` runs without ``--strategies`` (the committed reports' set); the
+#: 8-bit strategies and the baselines are opt-in.
+DEFAULT_COMPARE = ("fp32", "mixed", "bf16", "kahan", "stochastic", "light", "plus", "split")
+
+
 def strategies() -> tuple[str, ...]:
-    """The optimizer's public strategy names (``collage.STRATEGIES``)."""
+    """Every name the harness accepts: ``collage.STRATEGIES`` and :data:`BASELINES`."""
     import collage
 
-    return tuple(collage.STRATEGIES)
+    return tuple(collage.STRATEGIES) + BASELINES
 
 
 def _opt(default: Any, help: str, *, flag: str | None = None, commands: tuple[str, ...] = (),
@@ -209,7 +216,8 @@ class RunConfig:
     out: str | None = _opt(None, "output directory (none: runs/<command>-<preset>)",
                            metavar="DIR")
     quiet: bool = _opt(False, "no progress bar")
-    strategies: tuple[str, ...] = _opt((), "strategies to compare (-: all)",
+    strategies: tuple[str, ...] = _opt((), "strategies to compare (none: the eight of the "
+                                       "main report; 'plus8' and 'torchao-adamw8bit' are opt-in)",
                                        commands=("compare",))
     beta2s: tuple[float, ...] = _opt((), "run every strategy once per beta2 value given here "
                                      "(overrides --beta2)", commands=("compare",))
@@ -252,7 +260,7 @@ class RunConfig:
                 _fail("run", "beta2s", f"every beta2 must be in [0, 1), got {b}")
 
     def strategy_list(self) -> tuple[str, ...]:
-        return self.strategies or strategies()
+        return self.strategies or DEFAULT_COMPARE
 
     def resolved_jobs(self, n_runs: int) -> int:
         """Processes at once: ``jobs``, else one per usable core on CPU (1 on CUDA)."""

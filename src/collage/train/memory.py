@@ -13,7 +13,17 @@ kahan       2       2         4                  2 (Kahan buf)  10
 light       2       2         4                  2 (weight lo)  10
 plus        2       2         4                  4 (lo, v lo)   12
 split       2       2         4                  4 (low16, v lo) 12
+plus8       2       2         2.0625 (m, v hi,   3 (w lo, v lo) 9.0625
+                              2 scales/128)
+torchao8    2       2         2.03 (m, v, 2      0              6.03
+                              scales/256)
 =========== ======= ========= ================== ============== =====
+
+``plus8`` is ``docs/eight_bit.md``'s strategy: m one e4m3 byte, v an e5m2 byte plus 8 low
+bits, each with a float32 power-of-two scale per block of 128 (0.03125 B each).
+``torchao-adamw8bit`` (torchao8 above) is torchao's ``AdamW8bit`` on bf16 weights: 8-bit m
+and v with a float32 scale per block of 256; torchao keeps tensors under 4096 elements in
+full-precision states, so a small model measures more than the model says.
 
 ``mixed`` keeps its fp32 master copy (4 bytes) under *weights* (2 + 4). With
 ``grad_dtype="fp32"`` (gradients accumulated in fp32) every strategy but fp32 pays 2 more bytes.
@@ -43,7 +53,7 @@ __all__ = [
 GRAD_DTYPES = ("bf16", "fp32")
 
 # strategy: (weights, optimizer states, compensation, layout description)
-_LAYOUT: dict[str, tuple[int, int, int, str]] = {
+_LAYOUT: dict[str, tuple[int, float, int, str]] = {
     "fp32": (4, 8, 0, "w fp32 | g fp32 | m, v fp32"),
     "mixed": (6, 8, 0, "w bf16 + fp32 master | g | m, v fp32"),
     "bf16": (2, 4, 0, "w bf16 | g | m, v bf16"),
@@ -52,6 +62,10 @@ _LAYOUT: dict[str, tuple[int, int, int, str]] = {
     "light": (2, 4, 2, "w bf16 + lo bf16 | g | m, v bf16"),
     "plus": (2, 4, 4, "w bf16 + lo bf16 | g | m, v bf16 + v lo bf16"),
     "split": (2, 4, 4, "w bf16 + low 16 bits | g | m, v bf16 + v lo bf16"),
+    "plus8": (2, 2 + 8 / 128, 3, "w bf16 + lo bf16 | g | m e4m3, v e5m2 + v lo u8, "
+              "2 fp32 scales per 128"),
+    "torchao-adamw8bit": (2, 2 + 8 / 256, 0, "w bf16 (stochastic rounding) | g | m, v 8-bit "
+                          "(torchao), 2 fp32 scales per 256"),
 }
 
 
@@ -62,12 +76,12 @@ class BytesPerParam:
     strategy: str
     weights: int
     gradients: int
-    optimizer_states: int
+    optimizer_states: float  # fractional where block scales are shared (plus8, torchao)
     compensation: int
     layout: str
 
     @property
-    def total(self) -> int:
+    def total(self) -> float:
         return self.weights + self.gradients + self.optimizer_states + self.compensation
 
     def to_dict(self) -> dict[str, object]:
@@ -98,7 +112,9 @@ def bytes_per_param(strategy: str, grad_dtype: str = "bf16") -> BytesPerParam:
 def memory_table(n_params: float, strategies: Iterable[str], grad_dtype: str = "bf16") -> str:
     """A plain-text table of bytes per parameter and totals for ``n_params`` parameters."""
     baseline = bytes_per_param("mixed", grad_dtype).total * n_params
-    header = (f"{'strategy':<11} {'weights':>7} {'grads':>5} {'states':>6} {'comp':>4} "
+    strategies = list(strategies)
+    width = max([11] + [len(name) for name in strategies])
+    header = (f"{'strategy':<{width}} {'weights':>7} {'grads':>5} {'states':>6} {'comp':>4} "
               f"{'B/param':>7} {'total GB':>9} {'vs mixed':>16}  layout")
     lines = [header, "-" * len(header)]
     for name in strategies:
@@ -107,10 +123,15 @@ def memory_table(n_params: float, strategies: Iterable[str], grad_dtype: str = "
         saving = baseline - total
         vs = f"{-saving / 1e9:+.2f} GB ({-saving / baseline:+.0%})" if saving else "0"
         lines.append(
-            f"{name:<11} {b.weights:>7} {b.gradients:>5} {b.optimizer_states:>6} "
-            f"{b.compensation:>4} {b.total:>7} {total / 1e9:>9.2f} {vs:>16}  {b.layout}"
+            f"{name:<{width}} {b.weights:>7} {b.gradients:>5} {_num(b.optimizer_states):>6} "
+            f"{b.compensation:>4} {_num(b.total):>7} {total / 1e9:>9.2f} {vs:>16}  {b.layout}"
         )
     return "\n".join(lines)
+
+
+def _num(x: float) -> str:
+    """2 for whole numbers, 2.06 otherwise (block scales make fractional bytes)."""
+    return f"{x:g}" if float(x).is_integer() else f"{x:.2f}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,9 +140,15 @@ def memory_table(n_params: float, strategies: Iterable[str], grad_dtype: str = "
 
 
 def _tensors(obj: object) -> Iterable[torch.Tensor]:
-    """Every tensor inside nested dicts/lists/tuples."""
+    """Every tensor inside nested dicts/lists/tuples; a wrapper tensor subclass (torchao's
+    8-bit optimizer states) as the plain tensors it holds."""
     if isinstance(obj, torch.Tensor):
-        yield obj
+        flatten = getattr(obj, "__tensor_flatten__", None)
+        if flatten is not None and not hasattr(obj, "device_mesh"):
+            for name in flatten()[0]:
+                yield from _tensors(getattr(obj, name))
+        else:
+            yield obj
     elif isinstance(obj, dict):
         for value in obj.values():
             yield from _tensors(value)

@@ -106,7 +106,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 def make_optimizer(model: nn.Module, optim: OptimConfig, strategy: str, *, beta2: float,
                    track_every: int, seed: int = 0) -> torch.optim.Optimizer:
     """collage.AdamW over named groups; ``track_every`` k measures EDQ on steps 1, k+1, ...;
-    ``seed`` seeds stochastic rounding (its generator is saved in the state dict)."""
+    ``seed`` seeds stochastic rounding (its generator is saved in the state dict).
+
+    ``"torchao-adamw8bit"`` is torchao's ``AdamW8bit`` on the same bf16 weights with
+    ``bf16_stochastic_round=True`` (torchao's option for bf16 weights; without it every
+    update is rounded to nearest into bf16, the ``bf16`` strategy's loss): the 8-bit
+    baseline of ``docs/eight_bit.md``. It measures no EDQ."""
+    if strategy == "torchao-adamw8bit":
+        from torchao.optim import AdamW8bit
+
+        groups = [{**g, "params": [p for _, p in g["params"]]}
+                  for g in param_groups(model, optim.weight_decay)]
+        return AdamW8bit(groups, lr=optim.lr, betas=(optim.beta1, beta2), eps=optim.eps,
+                         weight_decay=optim.weight_decay, bf16_stochastic_round=True)
     return collage.AdamW(
         param_groups(model, optim.weight_decay), lr=optim.lr, betas=(optim.beta1, beta2),
         eps=optim.eps, weight_decay=optim.weight_decay, strategy=strategy,
@@ -422,7 +434,7 @@ def train_strategy(
             loss = _loss(net, x, y) if not ranks.distributed else _rank_loss(net, x, y, ranks)
             loss.backward()
             grad_norm = clip_gradients(model, config.optim.grad_clip)
-            lr = opt.param_groups[0]["lr"]
+            lr = float(opt.param_groups[0]["lr"])  # torchao keeps lr as a 0-d tensor
             phase = "update"
             stats_before = getattr(opt, "update_stats", None)
             opt.step()
