@@ -4,7 +4,8 @@ Same run, same parameter sizes, tracked and untracked steps interleaved, medians
 after warm-up; prints the ratio tracked / untracked per strategy for the fused and foreach
 paths. The issue's target: a measured fused step costs at most 1.5x an unmeasured one.
 
-Usage: ``python benchmarks/bench_metrics.py [--numel 4000000] [--repeats 15] [--json PATH]``
+Usage: ``python benchmarks/bench_metrics.py [--numel 4000000] [--repeats 15]
+[--strategies ...] [--paths fused foreach] [--json PATH]``
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import time
 import torch
 
 import collage
+
+
+_STRATEGIES = ("fp32", "bf16", "stochastic", "mixed", "split", "kahan", "light", "plus")
+_PATHS = {"fused": {"fused": True}, "foreach": {"foreach": True}}
 
 
 def _params(numel: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -64,7 +69,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=4_000_000)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--strategies", nargs="+", default=["bf16", "light", "plus", "mixed"])
+    parser.add_argument("--strategies", nargs="+", default=list(_STRATEGIES))
+    parser.add_argument("--paths", nargs="+", default=list(_PATHS), choices=list(_PATHS))
     parser.add_argument("--json", default=None)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: OpenMP waits badly on a loaded 2-core machine)")
@@ -72,7 +78,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = []
     for strategy in args.strategies:
-        for path_name, path in (("fused", {"fused": True}), ("foreach", {"foreach": True})):
+        for path_name in args.paths:
+            path = _PATHS[path_name]
             off, on, ratio = _time_pair(strategy, path, args.numel, args.repeats)
             rows.append({"strategy": strategy, "path": path_name, "untracked_ms": off * 1e3,
                          "tracked_ms": on * 1e3, "ratio": ratio})

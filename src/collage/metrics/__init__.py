@@ -11,14 +11,18 @@ from .stats import (
     FAMILIES,
     FIELDS,
     UpdateStats,
+    component_change,
     edq,
     imprecision,
     module_family,
     update_sums,
+    update_sums_blocked,
 )
 
 __all__ = [
+    "component_change",
     "update_sums",
+    "update_sums_blocked",
     "CSVWriter",
     "FAMILIES",
     "FIELDS",

@@ -251,11 +251,14 @@ def fast_step(
     c: Coeffs,
     generator: torch.Generator | None = None,
     want_intended: bool = False,
+    intended_dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor | None:
     """One step of one parameter in float32 registers.
 
     ``grad`` is float32 (already unscaled/negated by the caller). Returns the intended update
-    ``W * (decay - 1) + update`` in float64 when ``want_intended`` (for the metrics).
+    ``W * (decay - 1) + update`` in float64 when ``want_intended`` (for the metrics), or in
+    ``intended_dtype`` (float32 for the CPU measured step, where float64 conversions are
+    slow: then the two products and the difference are each rounded to float32).
     """
     weight = _load_weight(strategy, param, state)
     working = _load_eight_bit(state) if strategy.eight_bit else \
@@ -263,8 +266,10 @@ def fast_step(
     decay, update, scale = rule.fast(weight, grad, working, c)
     intended = None
     if want_intended:
-        wide_update = update.double() if scale is None else update.double() * scale
-        intended = wide_update - weight.double() * c["lr_wd"]
+        wide_update = update.to(intended_dtype)
+        if scale is not None:
+            wide_update = wide_update * scale
+        intended = wide_update - weight.to(intended_dtype) * c["lr_wd"]
     if strategy.eight_bit:  # generator: the int32 seeds of the draws (or None)
         draws = (_eight_bit_draws(generator, grad, 0),
                  _eight_bit_draws(generator, grad, _SECOND_MOMENT_SALT))
