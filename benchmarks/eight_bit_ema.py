@@ -19,7 +19,7 @@ what the stored ``v`` intended at that step (a *per-step* landing ratio, not the
 accumulated drift; the accumulated effect shows as the loss).
 
 Usage: ``python benchmarks/eight_bit_ema.py --steps 300 --out docs/reports/eight-bit-ema``
-(writes ``ema_edq.json`` and ``ema_edq.md`` there). One thread per run.
+(writes ``ema_edq.json``, ``ema_edq.md`` and ``ema_edq.png`` there). One thread per run.
 """
 
 from __future__ import annotations
@@ -128,6 +128,30 @@ def run(strategy: str, beta2: float, steps: int, every: int) -> dict:
             "final_val_loss": summary["final_val_loss"], **meters[0].result()}
 
 
+def plot(results: list[dict], path: str) -> None:
+    """Per-step EMA EDQ of every strategy, one panel per beta2."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    beta2s = sorted({r["beta2"] for r in results})
+    fig, axes = plt.subplots(1, len(beta2s), figsize=(5.5 * len(beta2s), 4), sharey=True,
+                             squeeze=False)
+    for ax, beta2 in zip(axes[0], beta2s):
+        for r in results:
+            if r["beta2"] == beta2:
+                ax.plot([s for s, _ in r["per_step"]], [v for _, v in r["per_step"]],
+                        marker=".", label=r["strategy"])
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.set_title(f"second-moment EMA EDQ per measured step, β2 = {beta2}")
+        ax.set_xlabel("step")
+    axes[0][0].set_ylabel("<e, d> / ||d||²  (1: the intended EMA update landed)")
+    axes[0][-1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -163,6 +187,7 @@ def main() -> None:
                      f"{r['stalled_share']:.2%} | {r['final_val_loss']:.4f} |")
     with open(os.path.join(args.out, "ema_edq.md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
+    plot(results, os.path.join(args.out, "ema_edq.png"))
     print("\n".join(lines))
 
 
