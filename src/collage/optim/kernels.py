@@ -77,6 +77,10 @@ def _init_eight_bit(rule: Rule, param: torch.Tensor, state: dict) -> None:
     if rule.name != "adamw":
         raise ValueError(f"strategy 'plus8' stores Adam's two moments in 8 bits and supports "
                          f"AdamW only, not {rule.name}; use 'plus' for SGD and Lion")
+    if hasattr(param, "device_mesh"):  # per-block scales are not laid out like the weight
+        raise ValueError("strategy 'plus8' does not support sharded (DTensor / FSDP2) "
+                         "parameters yet: its per-block scales cannot be sharded like the "
+                         "weight; use 'plus' with FSDP2")
     blocks = eight_bit.n_blocks(param.numel())
 
     def codes(dtype):
