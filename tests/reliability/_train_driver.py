@@ -6,8 +6,8 @@ Environment:
 
 * ``RELIABILITY_PAUSE``: ``write`` (in the middle of writing the checkpoint's temporary file:
   half of its bytes written and fsynced), ``rename`` (the temporary file complete, just before
-  ``os.replace`` publishes it), ``final`` (half-way through writing ``model_fp32.pt`` at the
-  end of the run), or empty (no pause: the parent kills at a random time);
+  ``os.replace`` publishes it), ``final`` (half-way through writing ``model_fp32.pt``'s temporary file
+  at the end of the run), or empty (no pause: the parent kills at a random time);
 * ``RELIABILITY_PAUSE_AT``: pause at the n-th checkpoint save (``write``/``rename``);
 * ``RELIABILITY_MARKER``: a file created when the process has paused.
 """
@@ -47,9 +47,8 @@ def _install(mode: str, at: int, marker: str) -> None:
             calls["save"] += 1
             if calls["save"] == at:
                 _half_then_pause(obj, f, *args, **kwargs)
-        if mode == "final" and isinstance(f, str) and f.endswith("model_fp32.pt"):
-            with open(f, "wb") as handle:
-                _half_then_pause(obj, handle, *args, **kwargs)
+        if mode == "final" and hasattr(f, "write") and "format" not in obj:
+            _half_then_pause(obj, f, *args, **kwargs)  # the weights, not a checkpoint
         return real_save(obj, f, *args, **kwargs)
 
     def replace(src, dst, *args, **kwargs):

@@ -7,7 +7,7 @@ kills it with SIGKILL at a seeded random point, in one of four places:
   random delay, so the kill lands in forward, backward, the update or a save);
 * ``write``: half-way through writing a checkpoint's temporary file;
 * ``rename``: with the temporary file complete, just before ``os.replace`` publishes it;
-* ``final``: half-way through writing ``model_fp32.pt`` after the last step.
+* ``final``: half-way through writing ``model_fp32.pt`` (atomically) after the last step.
 
 (_train_driver.py freezes the real process at those points; the harness's code is not
 changed.) Then: ``checkpoint.pt`` is never corrupt and holds the last complete step (a
@@ -140,8 +140,13 @@ def _kill_round(tmp_path: Path, index: int, mode: str, strategy: str, rng: rando
                 torch.load(leftovers[0], weights_only=True)
     elif mode == "final":
         assert saved == STEPS
-        with pytest.raises(Exception):  # the kill truncated the exported weights
-            torch.load(out / "model_fp32.pt", weights_only=True)
+        # the export is atomic too: the kill left a half-written temporary file, and no
+        # model_fp32.pt at all rather than a truncated one
+        assert not (out / "model_fp32.pt").exists()
+        leftovers = list(out.glob(".tmp-*.pt"))
+        assert len(leftovers) == 1, leftovers
+        with pytest.raises(Exception):
+            torch.load(leftovers[0], weights_only=True)
     assert 1 <= saved <= STEPS
 
     capsys.readouterr()
