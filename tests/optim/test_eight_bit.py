@@ -228,12 +228,17 @@ def _run(path: str, steps: int, *, seed: int = 0):
     flags = {"reference": {"foreach": False}, "foreach": {"foreach": True},
              "fused": {"fused": True}}[path]
     opt = collage.AdamW([w, b], lr=1e-2, weight_decay=0.1, strategy="plus8", seed=seed, **flags)
-    for i in range(steps):
+    _train(opt, w, b, range(steps))
+    return opt, w, b
+
+
+def _train(opt, w, b, steps) -> None:
+    """Step ``opt`` on the gradients of ``steps`` (each step's gradients seeded by its index)."""
+    for i in steps:
         g = torch.Generator().manual_seed(i)
         w.grad = torch.randn(300, 7, generator=g).bfloat16()
         b.grad = (torch.randn(70, generator=g) * 1e-3).bfloat16()
         opt.step()
-    return opt, w, b
 
 
 def test_foreach_and_fused_agree():
@@ -299,11 +304,7 @@ def _resume(saved):
     opt = collage.AdamW([w, b], lr=1e-2, weight_decay=0.1, strategy="plus8", seed=0,
                         foreach=True)
     opt.load_state_dict(saved)  # restores the seed (5) too
-    for i in range(3, 6):
-        g = torch.Generator().manual_seed(i)
-        w.grad = torch.randn(300, 7, generator=g).bfloat16()
-        b.grad = (torch.randn(70, generator=g) * 1e-3).bfloat16()
-        opt.step()
+    _train(opt, w, b, range(3, 6))
     return opt, w, b
 
 

@@ -92,8 +92,8 @@ def is_compile_error(error: BaseException) -> bool:
     return type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))
 
 
-def _compile(fn: Callable, name: str) -> Callable:
-    """torch.compile ``fn`` under its own code object.
+def _compile(fn: Callable, name: str, options: dict | None = None) -> Callable:
+    """torch.compile ``fn`` under its own code object (``options``: more inductor options).
 
     Dynamo keeps compiled graphs (and counts recompilations against its limit) per code
     object; closures of one ``def`` share theirs. Renaming the code gives every kernel
@@ -103,7 +103,8 @@ def _compile(fn: Callable, name: str) -> Callable:
     unique = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
     # emulate_precision_casts: without it inductor may skip a bf16 round trip (store, then
     # reload as float32) and keep float32 bits, which would make every residual zero.
-    return torch.compile(unique, dynamic=True, options={"emulate_precision_casts": True})
+    return torch.compile(unique, dynamic=True,
+                         options={"emulate_precision_casts": True, **(options or {})})
 
 
 # ---------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ __all__ = [
     "fast_step",
     "reference_step",
     "represented_value",
+    "represented_parts",
     "compensation_of",
     "moment_value",
     "state_dtype",
@@ -56,7 +57,7 @@ def init_state(rule: Rule, strategy: Strategy, param: torch.Tensor, state: dict)
     """Create a parameter's state for ``rule`` under ``strategy`` (zeros; exact copies)."""
     state["step"] = torch.tensor(0.0, dtype=torch.float32)
     if strategy.eight_bit:
-        _init_eight_bit(rule, param, state)
+        _init_eight_bit(param, state)
         return
     dtype = state_dtype(strategy, param.dtype)
     for spec in rule.states:
@@ -73,10 +74,8 @@ def init_state(rule: Rule, strategy: Strategy, param: torch.Tensor, state: dict)
         state["weight_low_bits"] = torch.zeros_like(param, dtype=torch.int16)
 
 
-def _init_eight_bit(rule: Rule, param: torch.Tensor, state: dict) -> None:
-    if rule.name != "adamw":
-        raise ValueError(f"strategy 'plus8' stores Adam's two moments in 8 bits and supports "
-                         f"AdamW only, not {rule.name}; use 'plus' for SGD and Lion")
+def _init_eight_bit(param: torch.Tensor, state: dict) -> None:
+    """plus8's state (AdamW only: checked when the optimizer validates its groups)."""
     if hasattr(param, "device_mesh"):  # per-block scales are not laid out like the weight
         raise ValueError("strategy 'plus8' does not support sharded (DTensor / FSDP2) "
                          "parameters yet: its per-block scales cannot be sharded like the "
@@ -155,7 +154,7 @@ def _load_weight(strategy: Strategy, param: torch.Tensor, state: dict) -> torch.
         return param
     if name == "mixed":
         return state["master"]
-    if name in ("light", "plus", "plus8"):
+    if strategy.extra == "weight_lo":
         # Rounded to float32 when lo has bits below float32's last place (error <= 2**-24).
         return param.float() + state["weight_lo"].float()
     if name == "split":
@@ -202,7 +201,7 @@ def _land(strategy: Strategy, param, state, weight, decay, lr_wd, update, genera
         param.copy_(new)
     elif name == "stochastic":
         param.copy_(stochastic_round(new, param.dtype, generator))
-    elif name in ("light", "plus", "plus8"):
+    elif strategy.extra == "weight_lo":
         param.copy_(new)
         state["weight_lo"].copy_(_residual(new - param.float(), param))  # exact, rounded once
     elif name == "split":
@@ -306,7 +305,7 @@ def _land_reference(strategy: Strategy, param, state, delta, generator) -> None:
     elif name == "stochastic":
         exact = param.double() + delta.double()  # exact: two 8/11-bit values, float64
         param.copy_(stochastic_round(exact, param.dtype, generator))
-    elif name in ("light", "plus", "plus8"):
+    elif strategy.extra == "weight_lo":
         hi, lo = mcf.grow(param, state["weight_lo"], delta)
         param.copy_(hi)
         state["weight_lo"].copy_(lo)
@@ -412,16 +411,26 @@ def represented_value(strategy: Strategy, param: torch.Tensor, state: dict) -> t
     hi + lo of an MCF pair, weight + Kahan compensation, the master for mixed and split; the
     weight itself otherwise. Exact: every sum here has at most 48 significant bits.
     """
+    parts = represented_parts(strategy, param, state)
+    value = parts[0].double()
+    return value + parts[1].double() if len(parts) > 1 else value
+
+
+def represented_parts(strategy: Strategy, param: torch.Tensor, state: dict
+                      ) -> tuple[torch.Tensor, ...]:
+    """The components whose exact sum is the represented value, each exact in float32: the
+    master (mixed, split), weight and low part (an MCF pair), weight and compensation
+    (kahan), the weight alone otherwise or before the state exists."""
     name = strategy.name
     if name == "mixed" and "master" in state:
-        return state["master"].double()
-    if name in ("light", "plus", "plus8") and "weight_lo" in state:
-        return param.double() + state["weight_lo"].double()
-    if name == "kahan" and "compensation" in state:
-        return param.double() + state["compensation"].double()
+        return (state["master"],)
     if name == "split" and "weight_low_bits" in state:
-        return split_decode(param, state["weight_low_bits"]).double()
-    return param.double()
+        return (split_decode(param, state["weight_low_bits"]),)
+    if strategy.extra == "weight_lo" and "weight_lo" in state:
+        return (param, state["weight_lo"])
+    if name == "kahan" and "compensation" in state:
+        return (param, state["compensation"])
+    return (param,)
 
 
 def compensation_of(strategy: Strategy, state: dict) -> torch.Tensor | None:

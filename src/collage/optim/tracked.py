@@ -24,7 +24,6 @@ Two kernels, by device:
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 
 import torch
@@ -32,7 +31,6 @@ import torch
 from ..metrics import FIELDS, component_change, update_sums, update_sums_blocked
 from ..metrics.stats import BLOCK
 from . import fused, kernels
-from .rounding import split_decode
 
 __all__ = ["step_group_tracked"]
 
@@ -53,22 +51,6 @@ def _body(rule, strategy, scaled: bool, maximize: bool) -> Callable:
     return step
 
 
-def _parts(strategy, param, state) -> tuple[torch.Tensor, ...]:
-    """The represented value's components, each exact in float32 (as
-    ``kernels.represented_value``: the master for mixed and split, ``hi`` and ``lo`` for the
-    MCF pair, weight and compensation for kahan, the weight otherwise)."""
-    name = strategy.name
-    if name == "mixed":
-        return (state["master"],)
-    if name == "split":
-        return (split_decode(param, state["weight_low_bits"]),)
-    if name in ("light", "plus"):
-        return (param, state["weight_lo"])
-    if name == "kahan":
-        return (param, state["compensation"])
-    return (param,)
-
-
 #: Strategies the CPU kernel knows (every state tensor is shaped like the weight), and
 #: whether their visible weight is a separate value from the represented one.
 _PARTS = {"fp32": False, "bf16": False, "stochastic": False, "mixed": True, "split": True,
@@ -87,13 +69,14 @@ def _blocked_body(rule, strategy, scaled: bool, maximize: bool) -> Callable:
         # so that they fuse with the per-row reductions (else the update and the new weight
         # go through memory: 1.5-2.5x slower)
         g = g * row_ones
-        before = [t.to(torch.float32, copy=True) for t in _parts(strategy, param, state)]
+        before = [t.to(torch.float32, copy=True)
+                  for t in kernels.represented_parts(strategy, param, state)]
         visible_before = param.to(torch.float32, copy=True) if separate_visible else None
         draws = (fused.counter_uniform(param.numel(), seeds).view(param.shape)
                  if stochastic else None)
         intended = kernels.fast_step(rule, strategy, param, g, state, coeffs, draws, True,
                                      intended_dtype=torch.float32)
-        after = [t.float() for t in _parts(strategy, param, state)]
+        after = [t.float() for t in kernels.represented_parts(strategy, param, state)]
         e, stuck = component_change(before, after)
         ev = stuck_visible = None
         if separate_visible:
@@ -122,19 +105,9 @@ def _kernel(rule, strategy, scaled: bool, maximize: bool,
         body = (_blocked_body if blocked else _body)(rule, strategy, scaled, maximize)
         name = f"collage_{rule.name}_{strategy.name}_measured" + ("_cpu" if blocked else "") \
             + ("_scaled" if scaled else "") + ("_max" if maximize else "")
-        compiled = _compile_with(body, name, _CPU_INDUCTOR_OPTIONS) if blocked \
-            else fused._compile(body, name)
+        compiled = fused._compile(body, name, _CPU_INDUCTOR_OPTIONS if blocked else None)
         _kernels[key] = (compiled, body)
     return _kernels[key]
-
-
-def _compile_with(fn: Callable, name: str, options: dict) -> Callable:
-    """``fused._compile`` (own code object, dynamic shapes, bf16 round trips kept) with
-    more inductor ``options``."""
-    code = fn.__code__.replace(co_name=name)
-    unique = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-    return torch.compile(unique, dynamic=True,
-                         options={"emulate_precision_casts": True, **options})
 
 
 def step_group_tracked(optimizer, index: int, group: dict, strategy, items, grad_scale,
