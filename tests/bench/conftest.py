@@ -14,3 +14,11 @@ def _single_thread():
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def inductor_only(monkeypatch):
+    """The fused path with inductor kernels on CPU too (not collage.optim.native's)."""
+    from collage.optim import native
+
+    monkeypatch.setattr(native, "covers", lambda *args, **kwargs: False)

@@ -1,5 +1,6 @@
-"""The fused path: no recompilation across learning-rate changes, the group kernel equals the
-per-parameter kernel bit for bit, and its in-kernel stochastic rounding is exact."""
+"""The fused path's inductor kernels: no recompilation across learning-rate changes, the group
+kernel equals the per-parameter kernel bit for bit, and its in-kernel stochastic rounding is
+exact."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from collage.optim import fused, get_strategy, kernels
 from collage.optim.rounding import _stochastic_round_bf16, stochastic_round
 from collage.optim.rules import ADAMW
 
-pytestmark = pytest.mark.skipif(not fused.available(), reason="no C++ compiler for inductor")
+# the inductor kernels (on CPU, AdamW groups would otherwise run the native C kernels,
+# tested in tests/optim/test_native.py)
+pytestmark = [pytest.mark.skipif(not fused.available(), reason="no C++ compiler for inductor"),
+              pytest.mark.usefixtures("inductor_only")]
 
 # one tensor above fused.SMALL_NUMEL (its own kernel call), several below (one bucket)
 SHAPES = [(160, 128), (64,), (3, 5), (1000,), (1,)]

@@ -1,6 +1,10 @@
 """``collage bench optimizer``: AdamW step time per strategy and path, against the roofline
 and against torch.optim, optimi and torchao, on GPT-like parameter sets.
 
+Fused rows say which backend ran (``backend``, and in the label): ``native`` (the C kernels
+of ``collage.optim.native``, CPU) or ``inductor`` (torch.compile); ``COLLAGE_NATIVE=0``
+benchmarks the inductor kernels on CPU.
+
 Protocol, per size (a GPT-2-style list of tensors, :func:`common.gpt_shapes`):
 
 * the baseline ``torch.optim.AdamW(fused=True)`` on float32 weights and two bandwidth probes
@@ -72,7 +76,12 @@ def _collage(strategy: str, path: str, nonfinite: str = "ignore"):
     def make(params):
         opt = collage.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                             strategy=strategy, nonfinite=nonfinite, **flags)
-        return opt.step
+
+        def step():
+            return opt.step()
+
+        step.optimizer = opt  # read back which fused backend ran (native or inductor)
+        return step
 
     return make
 
@@ -237,6 +246,8 @@ def measure_size(size: str, rows: list[Candidate], *, repeats: int, warmup: int,
         step = cand.make(params)
         started = time.perf_counter()
         first, _ = timed(step)  # includes compilation (in-process; FX graph cache on disk)
+        backend = getattr(getattr(step, "optimizer", None), "_fused_backend", None) \
+            if cand.path == "fused" else None
         warm = [timed(step)[0] for _ in range(max(warmup - 1, 0))]
         if cand.path in ("foreach", "reference"):
             reps = slow_repeats
@@ -266,8 +277,8 @@ def measure_size(size: str, rows: list[Candidate], *, repeats: int, warmup: int,
         t = common.summary(times)
         row = {
             "size": size, "n_params": n, "key": cand.key, "label": cand.label,
-            "path": cand.path, "strategy": cand.strategy, "bytes_per_param": nbytes,
-            "first_step_s": first, "repeats": reps, "time_s": t,
+            "path": cand.path, "strategy": cand.strategy, "backend": backend,
+            "bytes_per_param": nbytes, "first_step_s": first, "repeats": reps, "time_s": t,
             "cpu_time_median_s": statistics.median(cpus),
             "ns_per_param": {k: t[k] / n * 1e9 for k in ("median", "p90")},
             "GBps": nbytes * n / t["median"] / 1e9,
@@ -280,7 +291,9 @@ def measure_size(size: str, rows: list[Candidate], *, repeats: int, warmup: int,
                 b / max(c, 1e-9) for b, c in zip(base_cpus, cpus)),
         }
         out_rows.append(row)
-        _log(quiet, f"[{size}] {cand.label:58s} {t['median'] * 1e3:9.2f} ms  "
+        if backend:
+            row["label"] = f"{cand.label[:-1]}, {backend})"  # "collage plus (fused, native)"
+        _log(quiet, f"[{size}] {row['label']:58s} {t['median'] * 1e3:9.2f} ms  "
              f"x{row['speedup_vs_torch_fused']:6.2f} vs torch fused  "
              f"{100 * row['roofline_fraction']:5.0f}% roofline  "
              f"({time.perf_counter() - started:.0f}s)")

@@ -67,6 +67,29 @@ def _flat_views(param, grad, state):
     return param.view(-1), grad.reshape(-1), flat_state
 
 
+#: Elements per call of the chunked eager step: a multiple of plus8's block (128); its float32
+#: temporaries (~50 B per element at most) stay around 3 MB, in cache.
+EAGER_CHUNK = 1 << 16
+
+
+def _chunkable(param, grad, state) -> bool:
+    tensors = [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return param.numel() > EAGER_CHUNK and all(
+        t.is_contiguous() for t in (param, grad, *tensors))
+
+
+def _state_range(key: str, value, start: int, stop: int):
+    """The slice of a flat state entry that holds elements ``start:stop``: per-element
+    tensors by element, plus8's per-block scales by block, the 0-d step as is."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    if key.endswith("_scale"):
+        from .eight_bit import BLOCK
+
+        return value[start // BLOCK:-(-stop // BLOCK)]
+    return value[start:stop]
+
+
 class CollageOptimizer(Optimizer):
     """Base of the precision-aware optimizers (see ``collage.AdamW`` for the arguments)."""
 
@@ -107,6 +130,8 @@ class CollageOptimizer(Optimizer):
         self._generators: dict[torch.device, torch.Generator] = {}
         self._positions: dict[int, int] | None = None
         self._warned_fused = False
+        # what the fused path ran last: "native" (CPU C kernels) or "inductor" (benchmarks)
+        self._fused_backend: str | None = None
         defaults = dict(defaults, strategy=strategy, foreach=foreach, fused=fused)
         super().__init__(params, defaults)
 
@@ -256,7 +281,11 @@ class CollageOptimizer(Optimizer):
                     return mesh.get_group(dims[0])
         return None
 
-    def _path(self, group: dict, device: torch.device) -> str:
+    def _path(self, group: dict, device: torch.device, native: bool = False) -> str:
+        """The group's path. ``native``: the native CPU kernels cover the group (only
+        ``fused.step_group`` says so): then the default (``fused=None``) is fused on CPU too.
+        Measured steps and per-parameter steps ask without it, so an unset ``fused`` never
+        compiles inductor kernels on CPU."""
         fused, foreach = group["fused"], group["foreach"]
         if fused:
             return "fused"
@@ -264,7 +293,7 @@ class CollageOptimizer(Optimizer):
             return "reference"
         if foreach:
             return "foreach"
-        if fused is None and device.type == "cuda":
+        if fused is None and (device.type == "cuda" or native):
             return "fused"
         return "foreach"
 
@@ -361,6 +390,11 @@ class CollageOptimizer(Optimizer):
                                          kernels.state_dtype(strategy, local_param.dtype))
             intended = kernels.reference_step(self.rule, strategy, local_param, grad_lp,
                                               local_state, coeffs, generator, stats is not None)
+        elif path == "foreach" and stats is None and _chunkable(local_param, local_grad,
+                                                                local_state):
+            self._fast_step_in_chunks(strategy, group, local_param, local_grad, local_state,
+                                      coeffs, generator, grad_scale)
+            intended = None
         else:
             grad32 = self._prepare_grad(local_grad, group, grad_scale, torch.float32)
             if path == "fused":
@@ -372,6 +406,36 @@ class CollageOptimizer(Optimizer):
             stats.add(self._stat_keys(index, group, name), intended, before, after,
                       visible_before=visible_before, visible_after=local_param,
                       compensation=kernels.compensation_of(strategy, local_state))
+
+    def _fast_step_in_chunks(self, strategy, group, param, grad, state, coeffs, generator,
+                             grad_scale) -> None:
+        """The eager float32 step over ranges of at most ``EAGER_CHUNK`` elements.
+
+        Each range's float32 temporaries (the loaded weight and moments, the update, the
+        unscaled gradient) live only while it is stepped, so a step holds at most a few MB
+        beyond the persistent tensors however large the parameter: the memory that
+        ``collage memory`` predicts is the memory a step needs. Elementwise arithmetic, so
+        the result is the same as one whole-tensor call; plus8's ranges start on its block
+        boundaries (a multiple of ``eight_bit.BLOCK``) and its keyed draws are indexed by
+        the element's position in the whole tensor.
+        """
+        n = param.numel()
+        flat_param, flat_grad = param.view(-1), grad.view(-1)
+        flat_state = {k: v.view(-1) if isinstance(v, torch.Tensor) and v.dim() else v
+                      for k, v in state.items()}
+        for start in range(0, n, EAGER_CHUNK):
+            stop = min(start + EAGER_CHUNK, n)
+            part = {k: _state_range(k, v, start, stop) for k, v in flat_state.items()}
+            grad32 = self._prepare_grad(flat_grad[start:stop], group, grad_scale,
+                                        torch.float32)
+            draws = generator
+            if strategy.eight_bit:  # seeds: (key, key, first index) -> this range's first
+                draws = generator.clone()
+                draws[2] += start
+            elif generator is not None:  # stochastic: one uniform per element
+                draws = generator.reshape(-1)[start:stop]
+            kernels.fast_step(self.rule, strategy, flat_param[start:stop], grad32, part,
+                              coeffs, draws, False)
 
     @staticmethod
     def _prepare_grad(grad, group, grad_scale, dtype) -> torch.Tensor:

@@ -1,5 +1,9 @@
 """The fused path: the float32-register kernel compiled by torch.compile, one pass per tensor.
 
+On CPU, AdamW groups that ``native.covers`` run hand-written C kernels instead (see
+``native.py``: the same arithmetic as the foreach path, one C call per group); everything
+below describes the inductor kernels, which serve every other group.
+
 Inductor turns each kernel into one loop over memory (C++/OpenMP on CPU, Triton on CUDA) that
 reads every stored component once and writes it once: the weight (and its ``lo`` or
 compensation), the gradient *in its own dtype* (converted, unscaled and negated in
@@ -36,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import kernels
+from . import kernels, native
 
 __all__ = [
     "SMALL_NUMEL",
@@ -146,14 +150,19 @@ def stochastic_seeds(optimizer, param, step: int, first_index: int,
     draws depend neither on sharding nor on generator state: DDP ranks agree, an FSDP2 shard
     draws what one process draws for those elements, and a resume needs only ``step``.
     """
+    words = [*stochastic_key(optimizer, param, step), first_index]
+    return torch.tensor(words, dtype=torch.int32, device=device)
+
+
+def stochastic_key(optimizer, param, step: int) -> tuple[int, int]:
+    """The two int32 key words of :func:`stochastic_seeds` as Python ints."""
     from .base import _mix
 
     if optimizer._positions is None:
         params = (p for g in optimizer.param_groups for p in g["params"])
         optimizer._positions = {id(p): i for i, p in enumerate(params)}
     key = _mix(optimizer.seed, optimizer._positions[id(param)], step)
-    words = [(key & 0xFFFFFFFF) - (1 << 31), ((key >> 32) & 0x7FFFFFFF), first_index]
-    return torch.tensor(words, dtype=torch.int32, device=device)
+    return (key & 0xFFFFFFFF) - (1 << 31), (key >> 32) & 0x7FFFFFFF
 
 
 def _flat_offset(param, local) -> int | None:
@@ -247,13 +256,14 @@ def _local(tensor):
 
 class _Entry:
     __slots__ = ("name", "whole", "param", "grad", "state", "tensors", "numel", "step",
-                 "offset")
+                 "offset", "native")
 
-    def __init__(self, name, whole, param, grad, state, tensors, offset):
+    def __init__(self, name, whole, param, grad, state, tensors, offset, native_row=None):
         self.name, self.whole, self.offset = name, whole, offset
         self.param, self.grad, self.state = param, grad, state
         self.tensors = tensors  # state components (no "step"), local tensors
         self.numel = param.numel()
+        self.native = native_row  # native.row_tensors(...) on the native path
 
 
 def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) -> bool:
@@ -262,13 +272,21 @@ def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) 
     ``items`` are ``(name, param, grad)`` with gradients present. Returns False (and changes
     nothing) when the group's path is not fused or compiled kernels are unavailable; the
     optimizer then takes its per-parameter path, which warns and runs eagerly.
+
+    On CPU, groups the native kernels cover (``native.covers``) run them (one C call per
+    step value and gradient dtype) instead of inductor's; such groups are on the fused path
+    by default (``fused=None``).
     """
     if not items:
         return True
     device = _local(items[0][1]).device
-    if optimizer._path(group, device) != "fused" or not available():
-        return False
     rule = optimizer.rule
+    use_native = (device.type == "cpu" and group["foreach"] is None
+                  and group["fused"] is not False) and native.covers(
+        rule, strategy, [_local(p) for _, p, _ in items], [_local(g) for _, _, g in items])
+    if optimizer._path(group, device, native=use_native) != "fused" or not (
+            use_native or available()):
+        return False
     scaled = grad_scale is not None
     maximize = bool(group.get("maximize", False))
     stochastic = strategy.name == "stochastic"
@@ -287,16 +305,29 @@ def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) 
                   and local_param.is_contiguous() and local_grad.is_contiguous()
                   and all(t.is_contiguous() and t.device == device for t in tensors.values())
                   and offset is not None)
+        native_row = None
+        if usable and use_native:
+            native_row = native.row_tensors(strategy.name, local_param, local_grad, tensors,
+                                            checked=True)
+            usable = native_row is not None
         if not usable:  # rare layouts: the per-parameter path (it advances its own step)
             optimizer._step_param(index, group, strategy, name, param, grad, grad_scale, None)
             continue
-        entries.append(_Entry(name, param, local_param, local_grad, state, tensors, offset))
+        entries.append(_Entry(name, param, local_param, local_grad, state, tensors, offset,
+                              native_row))
     if not entries:
         return True
 
     steps = [entry.state["step"] for entry in entries]
     torch._foreach_add_(steps, 1.0)
     values = torch.stack(steps).tolist() if len(steps) > 1 else [steps[0].item()]
+    if use_native:
+        for entry, value in zip(entries, values):
+            entry.step = int(value)
+        _step_native(optimizer, group, strategy, entries, grad_scale, maximize)
+        optimizer._fused_backend = "native"
+        return True
+    optimizer._fused_backend = "inductor"
     coeffs_by_step: dict[int, tuple] = {}
     for entry, value in zip(entries, values):
         entry.step = int(value)
@@ -356,6 +387,23 @@ def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) 
         for k, flat in flat_state.items():
             torch._foreach_copy_([e.tensors[k].view(-1) for e in members], flat.split(sizes))
     return True
+
+
+def _step_native(optimizer, group: dict, strategy, entries: list[_Entry], grad_scale,
+                 maximize: bool) -> None:
+    """The native CPU kernels: one call per (step value, gradient dtype), all tensors."""
+    stochastic = strategy.name == "stochastic"
+    scale = None if grad_scale is None else float(grad_scale)
+    jobs: dict[tuple, list[tuple]] = {}
+    for entry in entries:
+        if entry.numel == 0:
+            continue
+        keys = stochastic_key(optimizer, entry.whole, entry.step) if stochastic else (0, 0)
+        jobs.setdefault((entry.step, entry.grad.dtype), []).append(
+            (entry.native, entry.offset, *keys))
+    for (step, _), rows in jobs.items():
+        native.adamw(strategy.name, optimizer.rule.coefficients(group, step), rows,
+                     scale=scale, maximize=maximize)
 
 
 def _pack(rule, coeffs: dict, device: torch.device

@@ -14,11 +14,15 @@ _SHARED_DOC = """
         ``mixed``, ``bf16``, ``kahan``, ``stochastic``, ``light``, ``plus``, ``split``
         (``docs/strategies.md``), and for AdamW ``plus8`` (8-bit moments,
         ``docs/eight_bit.md``). Also a per-param-group key. Default ``"plus"``.
-    foreach, fused: implementation, following torch.optim: ``fused=True`` compiles the
-        float32-register kernel (torch.compile; falls back to foreach with one warning);
+    foreach, fused: implementation, following torch.optim: ``fused=True`` runs the
+        float32-register kernel compiled: on CPU, AdamW groups with bf16 weights (fp32 for
+        ``fp32``) run native C kernels (``collage.optim.native``, built on first use),
+        everything else torch.compile (falls back to foreach with one warning);
         ``foreach=True`` runs that kernel eagerly; ``foreach=False`` (and fused not True)
         selects the *reference* path, op by op in the weight dtype (paper-faithful,
-        bitwise deterministic, slow). None chooses: fused on CUDA, foreach elsewhere.
+        bitwise deterministic, slow). None chooses: fused on CUDA, and on CPU where the
+        native kernels cover the group (measured steps, ``track_updates``, then stay
+        eager); foreach elsewhere. ``COLLAGE_NATIVE=0`` turns the native kernels off.
     track_updates: measure lost updates (EDQ, imprecision) every step (True) or every k-th
         step (int k); results in ``optimizer.update_stats``. Off (zero cost) by default.
     nonfinite: what a step does when a gradient holds inf/nan: ``"skip"`` (default: nothing

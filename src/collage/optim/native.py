@@ -1,0 +1,381 @@
+"""Native CPU kernels: AdamW under every 16-bit strategy, hand-written C called through ctypes.
+
+On CPU the fused path runs these instead of inductor's generated C++ where they cover a
+group (:func:`covers`): rule AdamW; strategies ``fp32``, ``mixed``, ``bf16``, ``kahan``,
+``stochastic``, ``light``, ``plus``, ``split``; bf16 weights (float32 for ``fp32``);
+gradients bf16 or float32; contiguous local tensors. ``plus8``, fp16 weights, SGD and Lion
+keep the inductor kernels.
+
+**Semantics.** The float32-register kernel of the foreach path (``rules.AdamW.fast``,
+``kernels._land``, ``kernels._store_states``) operation for operation, each correctly
+rounded, with torch's roundings (``lerp_`` and ``addcmul_`` are fused multiply-adds on CPU;
+bf16 stores round to nearest even, NaN -> 0xFFFF): the results are **bitwise identical to
+the foreach path** for every covered strategy (``tests/optim/test_native.py``), and for
+``fp32`` to ``torch.optim.AdamW``'s single-tensor path. ``stochastic`` draws its uniforms in
+the kernel with the inductor fused path's counter-based hash (``fused.counter_uniform``,
+keyed by ``fused.stochastic_seeds``), so it equals the inductor fused path bit for bit.
+
+**Build.** ``native_adamw.c`` (shipped with the package) is compiled on first use with the
+system C compiler (``$CC``, else ``cc``, ``gcc``, ``clang``), ``-O3 -march=native
+-ffp-contract=off -shared -fPIC``, without torch headers (about one second), into
+``$COLLAGE_CACHE_DIR/native/`` (default ``~/.cache/collage/native/``; ``$XDG_CACHE_HOME``
+is honoured). The file name is a hash of the source, the compiler's version, the flags and
+the machine (architecture and CPU flags), so a new compiler or CPU builds a new library and
+a cluster's shared home never loads another machine's code. The library is written to a
+temporary name and renamed (concurrent processes never load a partial file). The C file
+selects AVX-512 intrinsics where the target has them (``__AVX512F__``, BW, VL) and a
+portable scalar loop otherwise, so it builds on any machine; if ``-march=native`` is
+refused the build retries without it.
+
+**Fallback.** No compiler, a failed build or ``COLLAGE_NATIVE=0``: :func:`available` is
+False and the fused path compiles inductor kernels as before (which themselves fall back to
+foreach with one warning); a failed build warns once. ``fused=None`` on CPU selects the
+fused path only where these kernels are available and cover the group.
+
+**Batching and threads.** One C call per (group, step value, gradient dtype): a table of
+pointers and lengths, no concatenation, no per-tensor kernel launch. With
+``torch.get_num_threads() > 1`` the elements are split into that many ranges run from a
+thread pool (ctypes releases the GIL); each element's draw depends only on its index in the
+whole tensor, so the split changes no result.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from array import array
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+__all__ = ["available", "backend", "covers", "adamw", "STRATEGY_CODES", "library_path"]
+
+SOURCE = Path(__file__).with_name("native_adamw.c")
+ABI = 1
+STRATEGY_CODES = {"fp32": 0, "mixed": 1, "bf16": 2, "kahan": 3, "stochastic": 4, "light": 5,
+                  "plus": 6, "split": 7}
+# flags of collage_adamw (native_adamw.c)
+_LERP_SMALL, _DECAY, _SCALED, _MAXIMIZE, _GRAD_FP32 = 1, 2, 4, 8, 16
+_FLAGS = (("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"),
+          ("-O3", "-ffp-contract=off", "-shared", "-fPIC"))
+# a thread gets at least this many elements (below, the pool's overhead dominates)
+_MIN_CHUNK = 1 << 16
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_info: dict = {}
+_pool: ThreadPoolExecutor | None = None
+
+
+# ---------------------------------------------------------------------------------------
+# build and load
+# ---------------------------------------------------------------------------------------
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("COLLAGE_CACHE_DIR")
+    if root:
+        return Path(root) / "native"
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "collage" / "native"
+
+
+def _compiler() -> list[str] | None:
+    """The C compiler command: ``$CC`` (may hold arguments), else cc, gcc, clang."""
+    cc = os.environ.get("CC")
+    if cc:
+        words = shlex.split(cc)
+        return words if words and shutil.which(words[0]) else None
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return [path]
+    return None
+
+
+def _machine() -> str:
+    """Architecture and CPU flags: what ``-march=native`` compiles for."""
+    words = [platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith(("flags", "Features", "model name")):
+                    words.append(line.strip())
+                if line.strip() == "":
+                    break  # the first processor describes them all
+    except OSError:
+        pass
+    return "\n".join(words)
+
+
+def _build(cc: list[str], flag_sets=_FLAGS) -> tuple[Path, bool]:
+    """(path of the library, whether it was compiled now) with the first of ``flag_sets``
+    that compiles; raises RuntimeError when none does."""
+    try:
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        raise RuntimeError(f"{cc[0]} --version failed: {error}") from None
+    source = SOURCE.read_bytes()
+    cache = _cache_dir()
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError:  # read-only home: a per-user directory under the temporary one
+        cache = Path(tempfile.gettempdir()) / f"collage-native-{os.getuid()}"
+        cache.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for flags in flag_sets:
+        key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
+                                         _machine().encode()])).hexdigest()[:20]
+        target = cache / f"native_adamw-{key}.so"
+        if target.exists():
+            return target, False
+        fd, temporary = tempfile.mkstemp(prefix=".native_adamw-", suffix=".so", dir=cache)
+        os.close(fd)
+        try:
+            done = subprocess.run([*cc, *flags, "-o", temporary, str(SOURCE), "-lm"],
+                                  capture_output=True, text=True, timeout=300)
+            if done.returncode == 0:
+                os.replace(temporary, target)
+                return target, True
+            errors.append(f"{' '.join(flags)}: {done.stderr.strip()[-500:]}")
+        except (OSError, subprocess.SubprocessError) as error:
+            errors.append(f"{' '.join(flags)}: {error}")
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+    raise RuntimeError("compilation failed: " + " | ".join(errors))
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("COLLAGE_NATIVE", "1").strip().lower() in ("0", "false", "off", "no"):
+            _info.update(reason="disabled by COLLAGE_NATIVE=0")
+            return None
+        try:
+            cc = _compiler()
+            if cc is None:
+                tried = "$CC=" + os.environ["CC"] if os.environ.get("CC") else "cc, gcc, clang"
+                raise RuntimeError(f"no C compiler found ({tried})")
+            path, compiled = _build(cc)
+            lib = _open(path)
+        except Exception as error:  # never fatal: the inductor/foreach paths remain
+            _info.update(reason=str(error))
+            warnings.warn(f"collage: native CPU kernels unavailable ({error}); the CPU fused "
+                          "path uses inductor kernels, the default path stays foreach "
+                          "(set COLLAGE_NATIVE=0 to silence)", RuntimeWarning, stacklevel=4)
+            return None
+        isa = "avx512" if lib.collage_native_isa() else "portable"
+        _info.update(path=str(path), compiled=compiled, isa=isa, compiler=cc, reason=None)
+        _lib = lib
+        return lib
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    if lib.collage_native_abi() != ABI:
+        raise RuntimeError(f"{path} has ABI {lib.collage_native_abi()}, expected {ABI}")
+    lib.collage_adamw.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                  ctypes.c_void_p, ctypes.c_void_p]
+    lib.collage_adamw.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """Whether the native kernels are usable in this process (builds them on first call)."""
+    return _load() is not None
+
+
+def backend() -> str | None:
+    """``"avx512"`` or ``"portable"`` (the C build's instruction set), None if unavailable."""
+    return _info.get("isa") if available() else None
+
+
+def library_path() -> str | None:
+    """The loaded shared library, or None."""
+    return _info.get("path") if available() else None
+
+
+def info() -> dict:
+    """What the loader did: path, compiled (now, vs. found in the cache), isa, compiler, or
+    the reason it is unavailable."""
+    available()
+    return dict(_info)
+
+
+def _reset() -> None:
+    """Forget the loaded library (tests: a new environment, a new cache directory)."""
+    global _lib, _tried
+    with _lock:
+        _lib, _tried = None, False
+        _info.clear()
+
+
+# ---------------------------------------------------------------------------------------
+# coverage
+# ---------------------------------------------------------------------------------------
+
+
+def covers(rule, strategy, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
+    """Whether the native kernels can step these (local) tensors: AdamW, a covered
+    strategy, CPU, bf16 weights (float32 for fp32), bf16 or float32 gradients. Builds the
+    library on first call; False when it is unavailable."""
+    if rule.name != "adamw" or strategy.name not in STRATEGY_CODES:
+        return False
+    weight = torch.float32 if strategy.name == "fp32" else torch.bfloat16
+    for param, grad in zip(params, grads):
+        if (param.device.type != "cpu" or grad.device.type != "cpu" or param.dtype != weight
+                or grad.dtype not in (torch.bfloat16, torch.float32)):
+            return False
+    return available()
+
+
+# ---------------------------------------------------------------------------------------
+# one call
+# ---------------------------------------------------------------------------------------
+
+_EXTRA = {"mixed": "master", "kahan": "compensation", "light": "weight_lo",
+          "plus": "weight_lo", "split": "weight_low_bits"}
+
+
+def _layout(strategy: str) -> tuple:
+    """(state key or None, dtype or None) of the table's state columns: exp_avg,
+    exp_avg_sq, exp_avg_sq_lo, extra."""
+    wide = torch.float32 if strategy in ("fp32", "mixed") else torch.bfloat16
+    pair = strategy in ("plus", "split")
+    extra = _EXTRA.get(strategy)
+    extra_dtype = {"master": torch.float32, "weight_low_bits": torch.int16}.get(
+        extra, torch.bfloat16)
+    return (("exp_avg", wide), ("exp_avg_sq", wide),
+            ("exp_avg_sq_lo", torch.bfloat16) if pair else (None, None),
+            (extra, extra_dtype) if extra else (None, None))
+
+
+_LAYOUTS = {name: _layout(name) for name in STRATEGY_CODES}
+
+
+def row_tensors(strategy: str, param: torch.Tensor, grad: torch.Tensor, state: Mapping,
+                checked: bool = False) -> tuple | None:
+    """(param, grad, exp_avg, exp_avg_sq, exp_avg_sq_lo, extra) of one tensor, each of the
+    dtype the kernel expects and ``param``'s size, contiguous on the CPU (``checked``: the
+    caller has verified contiguity and device); None otherwise."""
+    n = param.numel()
+    tensors = [param, grad]
+    for key, dtype in _LAYOUTS[strategy]:
+        if key is None:
+            tensors.append(None)
+            continue
+        t = state.get(key)
+        if t is None or t.dtype != dtype or t.numel() != n:
+            return None
+        tensors.append(t)
+    if grad.numel() != n:
+        return None
+    if not checked and not all(t is None or (t.is_contiguous() and t.device.type == "cpu")
+                               for t in tensors):
+        return None
+    return tuple(tensors)
+
+
+def adamw(strategy: str, coeffs: Mapping[str, float], rows: Sequence[tuple], *,
+          scale: float | None = None, maximize: bool = False, threads: int | None = None,
+          lib: ctypes.CDLL | None = None) -> None:
+    """Step tensors of one strategy with one set of AdamW coefficients.
+
+    ``rows``: ``(tensors, first_index, key0, key1)`` with ``tensors`` from
+    :func:`row_tensors` (all gradients of one dtype), ``first_index`` the index of the first
+    element in the whole tensor and ``key0``, ``key1`` the int32 key words of
+    ``fused.stochastic_seeds`` (stochastic; else 0). ``coeffs``: ``rules.AdamW
+    .coefficients`` (float64, rounded to float32 here as torch rounds a Python number).
+    ``scale``: the GradScaler scale (float32 value) or None. ``threads``: default
+    ``torch.get_num_threads()``. ``lib``: another build of the library (tests).
+    """
+    lib = lib or _load()
+    if lib is None:
+        raise RuntimeError("native kernels are unavailable: " + str(_info.get("reason")))
+    if not rows:
+        return
+    decay = float(coeffs["decay"])
+    lerp = float(coeffs["one_minus_beta1"])
+    grad_fp32 = rows[0][0][1].dtype == torch.float32
+    # torch's lerp picks its formula on the float32 weight
+    flags = ((_LERP_SMALL if abs(ctypes.c_float(lerp).value) < 0.5 else 0)
+             | (_DECAY if decay != 1.0 else 0) | (_SCALED if scale is not None else 0)
+             | (_MAXIMIZE if maximize else 0) | (_GRAD_FP32 if grad_fp32 else 0))
+    h = array("f", [lerp, coeffs["beta2"], coeffs["one_minus_beta2"],
+                    coeffs["bias_correction2_sqrt"], coeffs["eps"], -coeffs["step_size"],
+                    decay, coeffs["lr_wd"], 1.0 if scale is None else scale])
+    table, sizes = [], []
+    for tensors, first, key0, key1 in rows:
+        if tensors[1].dtype != rows[0][0][1].dtype:
+            raise ValueError("one call steps gradients of one dtype")
+        table.append([tensors[0].numel(), *(0 if t is None else t.data_ptr() for t in tensors),
+                      first, key0, key1])
+        sizes.append(tuple(0 if t is None else t.element_size() for t in tensors))
+    code = STRATEGY_CODES[strategy]
+    threads = torch.get_num_threads() if threads is None else threads
+    total = sum(r[0] for r in table)
+    parts = max(1, min(threads, total // _MIN_CHUNK))
+    if parts == 1:
+        _call(lib, code, flags, table, h)
+        return
+    chunks = _split(table, sizes, parts)
+    pool = _executor(parts - 1)
+    futures = [pool.submit(_call, lib, code, flags, chunk, h) for chunk in chunks[1:]]
+    _call(lib, code, flags, chunks[0], h)
+    for future in futures:
+        future.result()
+
+
+def _call(lib, code: int, flags: int, table: list[list[int]], h: array) -> None:
+    flat = array("q", [x for row in table for x in row])
+    status = lib.collage_adamw(code, flags, len(table), flat.buffer_info()[0],
+                               h.buffer_info()[0])
+    if status != 0:  # pragma: no cover - codes come from STRATEGY_CODES
+        raise RuntimeError(f"collage_adamw returned {status}")
+
+
+def _split(table, sizes, parts: int) -> list[list[list[int]]]:
+    """The rows cut into ``parts`` runs of about equal element counts (cuts on multiples of
+    64 elements: no two threads write one cache line)."""
+    total = sum(row[0] for row in table)
+    target = -(-total // parts)
+    chunks: list[list[list[int]]] = [[]]
+    room = target
+    for row, size in zip(table, sizes):
+        start, n = 0, row[0]
+        while start < n:
+            take = n - start
+            if take > room and len(chunks) < parts:  # cut, rounded up to 64 elements
+                take = min(take, -(-room // 64) * 64)
+            piece = [take] + [p + start * s if p else 0 for p, s in zip(row[1:7], size)] + \
+                [row[7] + start, row[8], row[9]]
+            chunks[-1].append(piece)
+            start += take
+            room -= take
+            if room <= 0 and len(chunks) < parts:
+                chunks.append([])
+                room = target
+    return [c for c in chunks if c]
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None or _pool._max_workers < workers:
+        _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="collage-native")
+    return _pool

@@ -1,0 +1,362 @@
+"""The native CPU kernels (``collage.optim.native``): bit for bit the foreach kernel.
+
+The foreach path's float32 kernel (``kernels.fast_step``) is the specification. Its one
+operation the C kernels do not reproduce is torch's CPU ``sqrt`` (MKL's, which is not
+correctly rounded for every input on every CPU); the reference here is that kernel with a
+correctly rounded square root (:class:`IEEESqrtAdamW`), and the native kernels must equal it
+bit for bit, NaN bit patterns and signed zeros included, on adversarial inputs: zeros of
+both signs, subnormal-range gradients and moments, inf/nan gradients and weights, huge and
+tiny weights, tails shorter than a vector, both lerp formulas, maximize, a GradScaler scale,
+weight decay or none, float32 gradients for bf16 weights. ``stochastic`` is compared with
+the in-kernel draws of the inductor fused path (``fused.counter_uniform`` keyed by
+``fused.stochastic_seeds``), computed eagerly. Against the unmodified foreach path, the
+bounds of ``test_float64_agreement.test_foreach_and_fused_agree_per_step`` apply.
+
+Also: the portable scalar build and the AVX-512 build without AVX512-BF16 equal the default
+build; threads split work without changing a bit; a new learning rate every step compiles
+nothing; no compiler means one warning and the foreach path; the cache is reused.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import collage
+from collage.optim import fused, get_strategy, kernels, native
+from collage.optim.rules import AdamWRule
+
+from ._common import bits
+
+pytestmark = pytest.mark.skipif(
+    native._compiler() is None, reason="no C compiler: the native kernels cannot be built")
+
+STRATEGIES = tuple(native.STRATEGY_CODES)
+
+
+class IEEESqrtAdamW(AdamWRule):
+    """``rules.AdamW.fast`` with a correctly rounded square root (float64 sqrt of a float32,
+    rounded once to float32: exact, since float64 carries more than 2 * 24 + 2 bits)."""
+
+    def fast(self, weight, grad, states, c):
+        exp_avg, exp_avg_sq = states["exp_avg"], states["exp_avg_sq"]
+        exp_avg.lerp_(grad, c["one_minus_beta1"])
+        exp_avg_sq.mul_(c["beta2"]).addcmul_(grad * c["one_minus_beta2"], grad)
+        root = exp_avg_sq.double().sqrt().float()
+        denom = (root / c["bias_correction2_sqrt"]).add_(c["eps"])
+        return c["decay"], (exp_avg * -c["step_size"]) / denom, None
+
+
+RULE = IEEESqrtAdamW()
+
+
+@dataclass(frozen=True)
+class Case:
+    """One optimizer configuration and the kind of data it steps."""
+
+    name: str
+    group: dict = field(default_factory=dict)
+    scale: float | None = None
+    data: str = "hard"  # "hard": adversarial values; "nonfinite": also inf/nan
+
+    def __str__(self) -> str:
+        return self.name
+
+
+CASES = (
+    Case("default", {"lr": 1e-2, "betas": (0.9, 0.999), "weight_decay": 0.1}),
+    Case("no_decay", {"lr": 3e-3, "betas": (0.9, 0.99), "weight_decay": 0.0}),
+    Case("lerp_ge_half_maximize", {"lr": 1.0, "betas": (0.3, 0.5), "weight_decay": 0.01,
+                                   "maximize": True}),
+    Case("grad_scaler", {"lr": 1e-3, "weight_decay": 0.1, "eps": 1e-6}, scale=65536.0),
+    Case("nonfinite", {"lr": 1e-2, "weight_decay": 0.1}, data="nonfinite"),
+)
+
+#: many small tensors, tails of every length, one larger (several vectors and a tail)
+SIZES = (1, 2, 15, 16, 17, 31, 33, 64, 1000, 4099)
+
+
+def _values(n: int, gen: torch.Generator, kind: str, scale: float) -> torch.Tensor:
+    """float32 values with ``scale``-sized normals, then adversarial ones in every 5th slot."""
+    x = torch.randn(n, generator=gen) * scale
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1e-38, 3e-39, 1e-20, -1e-22, 1e30,
+                            -3e38, 2.0**-133, 1.0, -1.0])
+    if kind == "nonfinite":
+        special = torch.cat([special, torch.tensor([float("inf"), -float("inf"),
+                                                    float("nan")])])
+    picks = torch.randint(0, len(special), (n,), generator=gen)
+    every = torch.arange(n) % 5 == 0
+    return torch.where(every, special[picks], x)
+
+
+def _params(strategy: str, kind: str, seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.float32 if strategy == "fp32" else torch.bfloat16
+    return [torch.nn.Parameter(_values(n, gen, "hard" if kind == "hard" else kind, 1.0)
+                               .to(dtype)) for n in SIZES]
+
+
+def _grads(params, step: int, kind: str) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    scale = 10.0 ** (-3 * step)  # later steps: subnormal-range squares
+    return [_values(p.numel(), gen, kind, scale).to(p.dtype) for p in params]
+
+
+def _clone_state(state: dict) -> dict:
+    return {k: v.clone() for k, v in state.items()}
+
+
+def _reference_step(opt, case: Case, strategy: str, key_param, param, grad, state: dict
+                    ) -> None:
+    """The foreach kernel (with a correctly rounded sqrt) on ``param`` and ``state``;
+    stochastic draws keyed like the optimizer's ``key_param``."""
+    group = opt.param_groups[0]
+    state["step"] += 1
+    step = int(state["step"])
+    g = grad.float()
+    if case.scale is not None:
+        g = g / torch.tensor(case.scale)
+    if group["maximize"]:
+        g = -g
+    draws = None
+    if strategy == "stochastic":  # the fused path's in-kernel draws, computed eagerly
+        seeds = fused.stochastic_seeds(opt, key_param, step, 0, param.device)
+        draws = fused.counter_uniform(param.numel(), seeds)
+    kernels.fast_step(RULE, get_strategy(strategy), param, g, state,
+                      RULE.coefficients(group, step), draws)
+
+
+def _assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str,
+                      nan_anyhow: torch.Tensor | None = None) -> None:
+    """Bitwise equal; ``nan_anyhow`` marks lanes where any NaN pattern is accepted."""
+    diff = bits(got) != bits(want)
+    if got.is_floating_point() and got.dtype == torch.float32:
+        nan_anyhow = got.isnan() & want.isnan()  # float32 stores keep NaN payloads
+    if nan_anyhow is not None:
+        diff &= ~nan_anyhow
+    if bool(diff.any()):
+        i = int(diff.nonzero()[0])
+        raise AssertionError(f"{what}: {int(diff.sum())} of {got.numel()} differ; first at "
+                             f"{i}: native {got.view(-1)[i].item()!r}, reference "
+                             f"{want.view(-1)[i].item()!r}")
+
+
+def _nan_master(strategy: str, pa, sa: dict, pb, sb: dict) -> torch.Tensor | None:
+    """split stores its float32 master's bits verbatim, NaN payload included, and which
+    payload an operation on two NaNs returns depends on the compiler's operand order (in
+    torch's kernels as in ours): lanes where both masters are NaN match as values."""
+    if strategy != "split":
+        return None
+    st = get_strategy(strategy)
+    return (kernels.represented_value(st, pa, sa).isnan()
+            & kernels.represented_value(st, pb, sb).isnan())
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The strategies native.adamw was called with (it must run)."""
+    seen: list[str] = []
+    original = native.adamw
+
+    def spy(strategy, *args, **kwargs):
+        seen.append(strategy)
+        return original(strategy, *args, **kwargs)
+
+    monkeypatch.setattr(native, "adamw", spy)
+    return seen
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_native_is_the_foreach_kernel_bit_for_bit(strategy: str, case: Case, calls) -> None:
+    params = _params(strategy, case.data)
+    opt = collage.AdamW(params, strategy=strategy, nonfinite="ignore", **case.group)
+    shadow = [p.detach().clone() for p in params]
+    shadow_state = [{} for _ in params]
+    for p, s in zip(shadow, shadow_state):
+        kernels.init_state(RULE, get_strategy(strategy), p, s)
+    for step in range(3):
+        grads = _grads(params, step, case.data)
+        for p, g in zip(params, grads):
+            p.grad = g
+        if case.scale is not None:
+            opt.grad_scale = torch.tensor(case.scale)
+        opt.step()  # fused=None: the native kernels on CPU
+        for i, p in enumerate(params):
+            _reference_step(opt, case, strategy, p, shadow[i], grads[i], shadow_state[i])
+            nan_master = _nan_master(strategy, p.detach(), opt.state[p], shadow[i],
+                                     shadow_state[i])
+            _assert_same_bits(p.detach(), shadow[i], f"step {step} tensor {i} weight",
+                              nan_master)
+            for key, value in shadow_state[i].items():
+                if key != "step":
+                    _assert_same_bits(opt.state[p][key], value, f"step {step} tensor {i} {key}",
+                                      nan_master if key == "weight_low_bits" else None)
+        opt.param_groups[0]["lr"] *= 0.5  # a new learning rate every step: nothing compiles
+    assert calls == [strategy] * 3
+
+
+def test_float32_gradients_for_bf16_weights_and_threads(monkeypatch) -> None:
+    """Direct calls: float32 gradients converted in registers; 1 and 3 threads (cut into
+    ranges, draws indexed by the element's position) give the same bits."""
+    monkeypatch.setattr(native, "_MIN_CHUNK", 64)
+    results = []
+    for threads, grad_dtype in ((1, torch.float32), (3, torch.float32), (1, torch.bfloat16)):
+        gen = torch.Generator().manual_seed(3)
+        w = _values(5000, gen, "hard", 1.0).bfloat16()
+        g32 = _values(5000, gen, "hard", 1e-3)
+        state: dict = {}
+        kernels.init_state(RULE, get_strategy("stochastic"), w, state)
+        coeffs = RULE.coefficients({"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8,
+                                    "weight_decay": 0.1}, 1)
+        grad = g32.to(grad_dtype)
+        row = native.row_tensors("stochastic", w, grad, state)
+        native.adamw("stochastic", coeffs, [(row, 7, -123456, 987654)], threads=threads)
+        results.append((w, state, grad))
+        # the reference: the same draws, from element index 7
+        ref_w = _values(5000, torch.Generator().manual_seed(3), "hard", 1.0).bfloat16()
+        ref_state: dict = {}
+        kernels.init_state(RULE, get_strategy("stochastic"), ref_w, ref_state)
+        seeds = torch.tensor([-123456, 987654, 7], dtype=torch.int32)
+        kernels.fast_step(RULE, get_strategy("stochastic"), ref_w, grad.float(), ref_state,
+                          coeffs, fused.counter_uniform(5000, seeds))
+        _assert_same_bits(w, ref_w, f"{threads} threads, {grad_dtype} gradients")
+        for key in ("exp_avg", "exp_avg_sq"):
+            _assert_same_bits(state[key], ref_state[key], key)
+    _assert_same_bits(results[0][0], results[1][0], "1 vs 3 threads")
+
+
+@pytest.mark.parametrize("flags", [("-O3", "-ffp-contract=off", "-shared", "-fPIC"),
+                                   ("-O3", "-march=native", "-mno-avx512bf16",
+                                    "-ffp-contract=off", "-shared", "-fPIC")],
+                         ids=["portable", "no-avx512bf16"])
+def test_other_builds_give_the_same_bits(flags, tmp_path, monkeypatch) -> None:
+    """The scalar fallback (a plain x86-64 or non-x86 target) and the AVX-512 build that
+    rounds with integer operations equal the default build, on every strategy."""
+    monkeypatch.setenv("COLLAGE_CACHE_DIR", str(tmp_path))
+    try:
+        path, _ = native._build(native._compiler(), [flags])
+    except RuntimeError as error:
+        pytest.skip(f"this compiler cannot build {flags}: {error}")
+    other = native._open(path)
+    coeffs = RULE.coefficients({"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8,
+                                "weight_decay": 0.1}, 2)
+    for strategy in STRATEGIES:
+        outputs = []
+        for lib in (None, other):
+            params = _params(strategy, "nonfinite", seed=4)
+            rows = []
+            for p, g in zip(params, _grads(params, 2, "nonfinite")):
+                state: dict = {}
+                kernels.init_state(RULE, get_strategy(strategy), p, state)
+                for key in ("exp_avg", "exp_avg_sq"):  # nonzero moments
+                    state[key].copy_(g.abs().to(state[key].dtype))
+                rows.append((native.row_tensors(strategy, p.detach(), g, state), 0, 5, 6))
+                outputs.append((p, state))
+            native.adamw(strategy, coeffs, rows, scale=4.0, lib=lib)
+        half = len(outputs) // 2
+        for (pa, sa), (pb, sb) in zip(outputs[:half], outputs[half:]):
+            nan = _nan_master(strategy, pa.detach(), sa, pb.detach(), sb)
+            _assert_same_bits(pb.detach(), pa.detach(), f"{strategy} weight", nan)
+            for key in sa:
+                if key != "step":
+                    _assert_same_bits(sb[key], sa[key], f"{strategy} {key}",
+                                      nan if key == "weight_low_bits" else None)
+
+
+def test_default_path_on_cpu_is_native_and_measured_steps_compile_nothing(calls,
+                                                                          monkeypatch) -> None:
+    """fused=None on CPU: unmeasured steps run the native kernels; measured steps
+    (track_updates) take the eager per-parameter path, never inductor."""
+    def no_compile(*args, **kwargs):
+        raise AssertionError("inductor must not compile here")
+
+    monkeypatch.setattr(fused, "_compile", no_compile)
+    params = _params("plus", "hard")
+    opt = collage.AdamW(params, strategy="plus", track_updates=2)
+    for step in range(4):
+        for p, g in zip(params, _grads(params, 1, "hard")):
+            p.grad = g
+        opt.step()
+    assert calls == ["plus", "plus"]  # steps 1 and 3; steps 0 and 2 were measured
+    assert opt.update_stats  # the measured steps did measure
+
+
+def test_fp16_weights_and_other_rules_are_not_covered(calls) -> None:
+    p = torch.nn.Parameter(torch.randn(8).half())
+    p.grad = torch.randn(8).half()
+    collage.AdamW([p], strategy="mixed", foreach=True).step()
+    q = torch.nn.Parameter(torch.randn(8).bfloat16())
+    q.grad = torch.randn(8).bfloat16()
+    collage.SGD([q], lr=0.1, strategy="plus").step()
+    assert calls == []
+    assert not native.covers(collage.SGD.rule, get_strategy("plus"), [q], [q.grad])
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """An empty cache directory and a loader that has not tried yet; restored after."""
+    monkeypatch.setenv("COLLAGE_CACHE_DIR", str(tmp_path))
+    native._reset()
+    yield tmp_path
+    monkeypatch.undo()
+    native._reset()
+
+
+def test_missing_compiler_warns_once_and_falls_back(fresh_loader, monkeypatch) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc-collage-test")
+    a, b = _params("light", "hard"), _params("light", "hard")
+    oa = collage.AdamW(a, strategy="light", foreach=True)
+    ob = collage.AdamW(b, strategy="light")  # default: native, unavailable -> foreach
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            for pa, pb, g in zip(a, b, _grads(a, step, "hard")):
+                pa.grad, pb.grad = g.clone(), g.clone()
+            oa.step()
+            ob.step()
+    ours = [w for w in caught if "native CPU kernels unavailable" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert "cc-collage-test" in str(ours[0].message)
+    assert not native.available() and ob._fused_backend is None
+    for pa, pb in zip(a, b):
+        _assert_same_bits(pb.detach(), pa.detach(), "fallback weight")
+    assert not list(fresh_loader.rglob("*.so"))
+
+
+def test_disabled_by_environment(fresh_loader, monkeypatch, calls) -> None:
+    monkeypatch.setenv("COLLAGE_NATIVE", "0")
+    p = torch.nn.Parameter(torch.randn(8).bfloat16())
+    p.grad = torch.randn(8).bfloat16()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a deliberate switch warns nothing
+        collage.AdamW([p], strategy="plus").step()
+    assert calls == [] and not native.available()
+    assert "COLLAGE_NATIVE" in native.info()["reason"]
+
+
+def test_cache_is_reused(fresh_loader) -> None:
+    assert native.available()
+    first = native.info()
+    assert first["compiled"] and first["path"].startswith(str(fresh_loader))
+    assert not list((fresh_loader / "native").glob(".native_adamw-*"))  # no temporaries
+    native._reset()
+    assert native.available()
+    second = native.info()
+    assert not second["compiled"] and second["path"] == first["path"]
+
+
+def test_c_source_ships_with_the_package() -> None:
+    """pyproject.toml's package-data includes optim/*.c (the loader needs the source)."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    config = tomllib.loads((root / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]["collage"]
+    assert any(native.SOURCE.match(f"*/{pattern}") for pattern in patterns)
+    assert native.SOURCE.exists() and shutil.which(native._compiler()[0])
