@@ -65,5 +65,11 @@ def test_bench_train_smoke(capsys):
     assert modes == ["autocast", "plus"]
     for row in result["rows"]:
         assert row["tokens_per_s"] > 0 and row["persistent_bytes"] > 0
+        assert row["peak_bytes"] >= row["persistent_bytes"]  # measured by the allocator
+    autocast, plus = result["rows"]
+    # counted after zero_grad(set_to_none=True), so without gradients: fp32 weights and two
+    # fp32 moments (12 B per parameter) against plus's bf16 weight, lo, m, v, v lo (10 B)
+    assert plus["persistent_bytes"] == pytest.approx(10 / 12 * autocast["persistent_bytes"],
+                                                     rel=0.001)
     assert {c["check"] for c in result["checks"]} == {
         "plus tokens/s >= autocast tokens/s", "plus peak memory <= 0.85 x autocast"}

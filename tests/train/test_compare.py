@@ -52,7 +52,10 @@ def test_compare_in_process(tmp_path):
     records, report = _check_outputs(str(tmp_path), strategies)
     assert len({s["init_checksum"] for s in summaries}) == 1
     assert records[0]["val_loss_vs_fp32"] == 0
-    assert "one process for all strategies" in report and "upper bound" in report
+    assert "one process for all strategies" in report
+    # the allocator measures one step's tensors, so sharing a process does not inflate it
+    assert "most bytes held by tensors during one training step (step 2" in report
+    assert len({r["peak_memory_bytes"] for r in records}) == 3
     assert [r["bytes_per_param_model"] for r in records] == [16, 8, 12]
 
 
@@ -63,7 +66,7 @@ def test_compare_fresh_processes_two_at_a_time(tmp_path):
     compare(config, str(tmp_path), log=None)
     records, report = _check_outputs(str(tmp_path), strategies)
     assert all(r["isolated"] and r["jobs"] == 2 for r in records)
-    assert all(r["peak_memory_measured"] == "process_peak_rss" for r in records)
+    assert all(r["peak_memory_measured"].startswith("cpu_allocator_events") for r in records)
     assert all(r["threads"] == max(1, len(os.sched_getaffinity(0)) // 2) for r in records)
     assert "fresh process per strategy, 2 at a time" in report
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".init-")]

@@ -5,9 +5,12 @@ Every mode runs in a fresh process (peak memory is per process): it first compil
 optimizer's kernels on a tiny model (so compilation is neither timed nor counted), records
 its resident set, builds the model, and trains ``warmup + steps`` steps on random tokens
 with a learning rate that changes every step (as a schedule does). Tokens/s covers the timed
-steps (forward, backward, optimizer step, zero_grad); peak memory is the highest resident
-set sampled every millisecond minus the resident set before the model was built, and
-``persistent`` counts the tensors that live across steps (weights, gradients, states).
+steps (forward, backward, optimizer step, zero_grad); peak memory is the most bytes held
+by tensors during one more (untimed) step, measured by the allocator
+(:class:`collage.train.memory.TensorMemoryProbe`: weights, gradients, states, activations,
+autocast's bf16 weight copies, temporaries); ``persistent`` counts the tensors that live
+across steps; the resident set's growth (sampled every millisecond, minus the resident set
+before the model was built) is reported beside it.
 
 Modes: ``fp32`` (float32 weights, torch.optim.AdamW fused), ``autocast`` (float32 weights,
 bf16 autocast, torch.optim.AdamW fused) and every collage strategy (bf16 weights, fused
@@ -92,11 +95,14 @@ def _optimizer(mode: str, model: torch.nn.Module, lr: float):
                          fused=True)
 
 
-def _train(mode: str, model_cfg, batch: int, steps: int, seed: int, sampler=None):
-    """Train ``steps`` steps; returns the per-step times."""
+def _train(mode: str, model_cfg, batch: int, steps: int, seed: int, probe: bool = False):
+    """Train ``steps`` steps; returns (model, optimizer, per-step times, probe). With
+    ``probe`` one more step runs, untimed, under a :class:`TensorMemoryProbe` (the peak bytes
+    held by tensors during a step, measured by the allocator)."""
     import torch.nn.functional as F
 
     from ..train.data import VOCAB_SIZE
+    from ..train.memory import TensorMemoryProbe, persistent_bytes
     from ..train.models import build_model
 
     model = build_model(model_cfg, VOCAB_SIZE, seed=seed)
@@ -106,8 +112,12 @@ def _train(mode: str, model_cfg, batch: int, steps: int, seed: int, sampler=None
     optimizer = _optimizer(mode, model, lr)
     generator = torch.Generator().manual_seed(seed)
     context = model_cfg.context
-    times = []
-    for step in range(steps):
+    times, probed = [], None
+    for step in range(steps + int(probe)):
+        if step == steps:  # the extra, measured step
+            probed = TensorMemoryProbe(torch.device("cpu"),
+                                       persistent_bytes(model, optimizer)["total"])
+            probed.__enter__()
         tokens = torch.randint(0, VOCAB_SIZE, (batch, context + 1), generator=generator)
         x, y = tokens[:, :-1], tokens[:, 1:]
         started = time.perf_counter()
@@ -119,8 +129,11 @@ def _train(mode: str, model_cfg, batch: int, steps: int, seed: int, sampler=None
             group["lr"] = lr * (0.5 + 0.5 * (step % 10) / 10)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - started)
-    return model, optimizer, times
+        if step == steps:
+            probed.__exit__(None, None, None)
+        else:
+            times.append(time.perf_counter() - started)
+    return model, optimizer, times, probed
 
 
 def worker(spec: dict) -> dict:
@@ -138,8 +151,9 @@ def worker(spec: dict) -> dict:
     sampler = _PeakRSS()
     before = sampler.read()
     with sampler:
-        model, optimizer, times = _train(mode, model_cfg, spec["batch"],
-                                         spec["warmup"] + spec["steps"], seed=0)
+        model, optimizer, times, probed = _train(mode, model_cfg, spec["batch"],
+                                                 spec["warmup"] + spec["steps"], seed=0,
+                                                 probe=True)
     persistent = persistent_bytes(model, optimizer)
     timed = times[spec["warmup"]:]
     tokens = spec["batch"] * model_cfg.context
@@ -149,6 +163,7 @@ def worker(spec: dict) -> dict:
         "tokens_per_step": tokens,
         "step_s": common.summary(timed),
         "tokens_per_s": tokens / statistics.median(timed),
+        "peak_bytes": probed.peak_bytes,
         "peak_rss_delta_bytes": sampler.peak - before,
         "persistent_bytes": persistent["model_total"],
     }
@@ -175,15 +190,14 @@ def run(*, modes=MODES, preset="paper-small", model=None, batch=None, steps=10, 
         rows.append(row)
         if not quiet:
             print(f"[train] {mode:10s} {row['tokens_per_s']:9.0f} tokens/s  peak "
-                  f"{row['peak_rss_delta_bytes'] / 2**20:7.1f} MiB  persistent "
+                  f"{row['peak_bytes'] / 2**20:7.1f} MiB  persistent "
                   f"{row['persistent_bytes'] / 2**20:6.1f} MiB  "
                   f"({time.perf_counter() - started:.0f}s)", file=sys.stderr, flush=True)
     reference = next((r for r in rows if r["mode"] == "autocast"), None)
     for row in rows:
         if reference:
             row["tokens_per_s_vs_autocast"] = row["tokens_per_s"] / reference["tokens_per_s"]
-            row["peak_vs_autocast"] = (row["peak_rss_delta_bytes"]
-                                       / max(reference["peak_rss_delta_bytes"], 1))
+            row["peak_vs_autocast"] = row["peak_bytes"] / max(reference["peak_bytes"], 1)
     checks = []
     plus = next((r for r in rows if r["mode"] == "plus"), None)
     if plus and reference:
@@ -210,16 +224,17 @@ def table(result: dict) -> str:
              f"context={m['context']}, batch={s['batch']} ({n / 1e6:.2f}M parameters); "
              f"{s['steps']} timed steps after {s['warmup']}", "",
              "| mode | tokens/s | x autocast | step ms (median) | step ms (p90) | "
-             "peak MiB | x autocast | persistent MiB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "peak MiB | x autocast | persistent MiB | peak RSS growth MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append(
             f"| {r['mode']} | {r['tokens_per_s']:.0f} | "
             f"{r.get('tokens_per_s_vs_autocast', float('nan')):.2f} | "
             f"{1e3 * r['step_s']['median']:.0f} | {1e3 * r['step_s']['p90']:.0f} | "
-            f"{r['peak_rss_delta_bytes'] / 2**20:.1f} | "
+            f"{r['peak_bytes'] / 2**20:.1f} | "
             f"{r.get('peak_vs_autocast', float('nan')):.2f} | "
-            f"{r['persistent_bytes'] / 2**20:.1f} |")
+            f"{r['persistent_bytes'] / 2**20:.1f} | "
+            f"{r['peak_rss_delta_bytes'] / 2**20:.1f} |")
     lines.append("")
     for c in result["checks"]:
         lines.append(f"* {c['check']}: {c['value']:.2f} (target {c['target']:g}): "
@@ -234,8 +249,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=textwrap.dedent("""\
             Train a GPT-2-style model for a few steps per mode, each in a fresh process:
             fp32 weights, torch.autocast(bfloat16) with fp32 weights, and every collage
-            strategy on bf16 weights (fused path). Reports tokens/s and peak memory (resident
-            set above the process's level before the model was built)."""),
+            strategy on bf16 weights (fused path). Reports tokens/s and peak memory (the most
+            bytes held by tensors during a step, measured by the allocator)."""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--preset", default="paper-small",

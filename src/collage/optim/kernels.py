@@ -97,20 +97,16 @@ def _init_eight_bit(param: torch.Tensor, state: dict) -> None:
 _SECOND_MOMENT_SALT = 0x2545F491
 
 
-def _eight_bit_draws(seeds, grad: torch.Tensor, salt: int) -> torch.Tensor:
+def _eight_bit_draws(seeds: torch.Tensor, grad: torch.Tensor, salt: int) -> torch.Tensor:
     """float32 uniforms for plus8's stochastic rounding, one per element in row-major order.
 
-    ``seeds`` is ``fused.stochastic_seeds``'s key, (seed, parameter position, step): the same
-    draws on every path. Without one (the measured fused step of ``tracked.py`` passes
-    none) each element's draw is keyed by its index and its gradient's float32 bits instead:
-    still reproducible and resumable, a different stream.
+    ``seeds`` is ``fused.stochastic_seeds``'s key, (seed, parameter position, step, first
+    element index): every path (reference, foreach, fused, measured or not) passes it, so
+    all draw the same numbers for an element at a step.
     """
-    n = grad.numel()
-    if seeds is not None:
-        return _fused.counter_uniform(n, seeds, salt)
-    index = torch.arange(n, dtype=torch.int32, device=grad.device)
-    h = _fused._mix32(_fused._mix32(index ^ grad.reshape(-1).view(torch.int32)) ^ salt)
-    return ((h >> 8) & 0xFFFFFF).to(torch.float32) * (2.0**-24)
+    if seeds is None:
+        raise ValueError("plus8's step needs its draw key (fused.stochastic_seeds); got None")
+    return _fused.counter_uniform(grad.numel(), seeds, salt)
 
 
 def _load_eight_bit(state: dict) -> dict[str, torch.Tensor]:

@@ -42,7 +42,9 @@ def _body(rule, strategy, scaled: bool, maximize: bool) -> Callable:
         coeffs, g = fused.kernel_inputs(grad, packed, static, scale, scaled, maximize)
         before = kernels.represented_value(strategy, param, state)
         visible_before = param.double()
-        draws = fused.counter_uniform(param.numel(), seeds) if stochastic else None
+        # stochastic: its uniforms; plus8 draws its two streams inside fast_step from the
+        # seeds themselves (the same draws as an unmeasured step)
+        draws = fused.counter_uniform(param.numel(), seeds) if stochastic else seeds
         intended = kernels.fast_step(rule, strategy, param, g, state, coeffs, draws, True)
         after = kernels.represented_value(strategy, param, state)
         return update_sums(intended, after - before, param.double() - visible_before,
@@ -138,7 +140,8 @@ def step_group_tracked(optimizer, index: int, group: dict, strategy, items, grad
         step = int(state["step"].item())
         packed, static = fused._pack(rule, rule.coefficients(group, step), device)
         offset = fused._flat_offset(param, local_param)
-        if strategy.name == "stochastic" and offset is None:  # shard not one flat range
+        keyed = strategy.name == "stochastic" or strategy.eight_bit
+        if keyed and offset is None:  # shard not one flat range
             state["step"] -= 1
             optimizer._step_param(index, group, strategy, name, param, grad, grad_scale, stats)
             continue
@@ -146,7 +149,7 @@ def step_group_tracked(optimizer, index: int, group: dict, strategy, items, grad
         sums = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
         for start, stop, cols in ranges:
             seeds = None
-            if strategy.name == "stochastic":  # the same draws as an unmeasured fused step
+            if keyed:  # the same draws as an unmeasured step
                 seeds = fused.stochastic_seeds(optimizer, param, step, offset + start, device)
             args = _call_args(local_param, local_grad, tensors, start, stop, cols)
             sums += _run(optimizer, compiled, eager, (*args[:3], packed, static, scale, seeds,

@@ -51,16 +51,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="bytes per parameter of each strategy and totals for a model size",
         description="The persistent memory (weights, gradients, optimizer states, "
         "compensation) of each strategy per parameter, and in total for --params "
-        "parameters; activations are not included.",
+        "parameters, or for the model of a harness preset (--preset and the model flags: "
+        "its parameters are counted); activations are not included.",
         formatter_class=_FORMATTER,
     )
-    p.add_argument("--params", default="6.7e9", metavar="N",
-                   help="number of parameters: 6.7e9, 7B, 125M, 350k")
+    p.add_argument("--params", default=None, metavar="N",
+                   help="number of parameters: 6.7e9, 7B, 125M, 350k (default: 6.7e9, or "
+                   "the model of --preset / the model flags when given)")
     p.add_argument("--strategy", nargs="+", default=None, metavar="NAME",
                    help="strategies to show, space or comma separated (default: all)")
     p.add_argument("--grad-dtype", default="bf16", metavar="{bf16,fp32}",
                    help="gradient dtype of the low-precision strategies")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_config_flags(p, "memory", sections=("model",))
     p.set_defaults(func=cmd_memory)
 
 
@@ -184,10 +187,32 @@ def parse_count(text: str) -> float:
     return value
 
 
+def _memory_params(args: argparse.Namespace) -> float:
+    """--params, else the parameter count of the harness model that --preset and the model
+    flags describe (built on the meta device: no memory, no initialisation), else 6.7e9."""
+    model_flags = [k for k in vars(args) if k == "preset" or k.startswith("model.")]
+    if args.params is not None:
+        if model_flags:
+            raise UsageError("--params and --preset/model flags both give the model size; "
+                             "use one")
+        return parse_count(args.params)
+    if not model_flags:
+        return 6.7e9
+    import torch
+
+    from .data import VOCAB_SIZE
+    from .models import build_model
+
+    config = config_from_args(args, "memory")
+    with torch.device("meta"):
+        model = build_model(config.model, VOCAB_SIZE)
+    return float(sum(p.numel() for p in model.parameters()))
+
+
 def cmd_memory(args: argparse.Namespace) -> int:
     from .memory import GRAD_DTYPES, bytes_per_param, memory_table
 
-    n = parse_count(args.params)
+    n = _memory_params(args)
     valid = strategies()
     chosen: list[str] = []
     for item in args.strategy or []:

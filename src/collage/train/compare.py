@@ -36,7 +36,8 @@ CSV_FIELDS = (
     "final_train_loss", "best_val_loss", "edq_mean", "imprecision_mean", "edq_visible_mean",
     "imprecision_visible_mean", "tokens_per_s", "train_time_s", "wall_time_s",
     "cpu_time_s", "persistent_bytes", "bytes_per_param_measured", "bytes_per_param_model",
-    "peak_memory_bytes", "peak_memory_measured", "rss_before_bytes", "n_params", "steps",
+    "peak_memory_bytes", "peak_memory_measured", "optimizer_step_peak_bytes",
+    "process_peak_rss_bytes", "rss_before_bytes", "n_params", "steps",
 )
 
 
@@ -390,25 +391,21 @@ def report_markdown(config: Config, records: list[dict[str, Any]], env: dict[str
 
 
 def _memory_note(records: list[dict[str, Any]]) -> str:
-    measured = records[0]["peak_memory_measured"]
-    isolated = records[0].get("isolated", True)
-    if measured == "cuda_max_memory_allocated":
-        return ("*peak memory*: `torch.cuda.max_memory_allocated` during the run (weights, "
-                "gradients, optimizer states and activations).")
-    before = sorted(s["rss_before_bytes"] / 2**20 for s in records if s.get("rss_before_bytes"))
-    base = ""
-    if before:
-        base = f"{before[0]:.0f}" if before[-1] - before[0] < 1 else \
-            f"{before[0]:.0f} to {before[-1]:.0f}"
+    measured = str(records[0]["peak_memory_measured"])
+    if measured.startswith(("cuda_max_memory_allocated", "cpu_allocator_events")):
+        how = ("`torch.cuda.max_memory_allocated`" if measured.startswith("cuda")
+               else "torch's profiler, which sees every allocation and free of the CPU "
+               "allocator, replayed on top of the persistent bytes")
+        step = measured.split(", ")[1] if ", " in measured else "one step"
+        return ("*peak memory*: the most bytes held by tensors during one training step "
+                f"({step}: forward, backward, clipping, optimizer step), measured by {how}: "
+                "the persistent tensors plus activations and temporaries. The process's "
+                "peak resident set (Python, the torch libraries, the data) is in "
+                "`process_peak_rss_bytes`.")
     return ("*peak memory*: peak resident set size of the process that trained the strategy "
-            "(`getrusage` `ru_maxrss`; CPU has no allocator statistics). It includes the "
-            "Python interpreter and the torch libraries"
-            + (f" (resident before the model was built: {base} MB)" if base else "")
-            + ", so differences between strategies, not absolute values, reflect the "
-            "strategy; for tiny models they drown in that baseline. The exact per-strategy "
-            "numbers are the *persistent MB* column."
-            + ("" if isolated else " All strategies ran in one process, so the peak is "
-               "monotone: an upper bound for every strategy after the first."))
+            "(`getrusage` `ru_maxrss`: a resumed run that did not measure a step). It "
+            "includes the Python interpreter and the torch libraries; the exact "
+            "per-strategy numbers are the *persistent MB* column.")
 
 
 def write_plots(results: list[dict[str, Any]], out_dir: str) -> list[str]:

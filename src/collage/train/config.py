@@ -438,12 +438,16 @@ def _convert(text: str, tp: Any, flag: str) -> Any:
     return text
 
 
-def add_config_flags(parser: argparse.ArgumentParser, command: str) -> None:
-    """Add ``--preset`` and one flag per config field (those meant for ``command``)."""
+def add_config_flags(parser: argparse.ArgumentParser, command: str,
+                     sections: tuple[str, ...] | None = None) -> None:
+    """Add ``--preset`` and one flag per config field (those meant for ``command``; of the
+    given ``sections`` only, when given)."""
     parser.add_argument("--preset", default=argparse.SUPPRESS, metavar="NAME",
                         help="starting configuration: " + ", ".join(PRESETS)
                         + " (default: quick); flags override it")
     for section, cls in _SECTIONS.items():
+        if sections is not None and section not in sections:
+            continue
         group = parser.add_argument_group(section, cls.__doc__.strip())
         hints = _hints(cls)
         for f in dataclasses.fields(cls):

@@ -33,10 +33,12 @@ batch size and kernels, and are what the measured peak adds on top.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import resource
 import sys
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -46,6 +48,7 @@ __all__ = [
     "persistent_bytes",
     "peak_rss_bytes",
     "current_rss_bytes",
+    "TensorMemoryProbe",
     "memory_table",
     "ROLES",
 ]
@@ -228,3 +231,144 @@ def current_rss_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return pages * resource.getpagesize()
+
+
+# --------------------------------------------------------------------------------------------
+# Peak bytes held by tensors during a window (one training step)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TensorMemoryProbe:
+    """The peak bytes held by tensors on ``device`` during a window, measured by the
+    allocator, and the peak inside named sections of it.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` (the caching allocator's own statistic).
+    CPU: torch keeps no allocator statistic, but its profiler records every allocation and
+    free of the CPU allocator with its size; the probe profiles the window (memory events
+    only: one step costs a few ms more) and replays the events in time order on top of
+    ``base_bytes``, the exact bytes of the tensors alive when the window opens (the caller
+    passes :func:`persistent_bytes`: weights, optimizer states, buffers). Tensors that exist
+    before the window and are not in ``base_bytes`` (the data set, a float32 copy of the
+    initial weights) are not counted: the probe measures what training holds.
+
+    Use::
+
+        probe = TensorMemoryProbe(device, base_bytes=persistent_bytes(model, opt)["total"])
+        with probe:
+            loss = model(x).backward()
+            with probe.section("optimizer_step"):
+                opt.step()
+        probe.peak_bytes, probe.section_peak_bytes["optimizer_step"]
+    """
+
+    device: torch.device
+    base_bytes: int = 0
+    peak_bytes: int | None = None
+    section_peak_bytes: dict[str, int] = field(default_factory=dict)
+    method: str = ""
+
+    def __post_init__(self) -> None:
+        self._profiler = None
+        self._sections: list[str] = []
+
+    def __enter__(self) -> TensorMemoryProbe:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.method = "cuda_max_memory_allocated"
+            self._cuda_peak = 0
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.method = "cpu_allocator_events"
+            # freed while profiling, muted: spends c10's once-per-process "unknown block"
+            # line on this block instead of on a tensor of the user's previous step
+            old_block = [torch.empty(1)]
+            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            with _quiet_stderr():
+                self._profiler.__enter__()
+                old_block.clear()
+        return self
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """A named part of the window whose own peak is reported."""
+        self._sections.append(name)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._cuda_peak = max(self._cuda_peak, torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+            yield
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.section_peak_bytes[name] = max(self.section_peak_bytes.get(name, 0), peak)
+            self._cuda_peak = max(self._cuda_peak, peak)
+            return
+        from torch.profiler import record_function
+
+        with record_function(_SECTION_PREFIX + name):
+            yield
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = max(self._cuda_peak, torch.cuda.max_memory_allocated(self.device))
+            return
+        with _quiet_stderr():
+            self._profiler.__exit__(*exc)
+        if exc[0] is None:
+            self._replay(self._profiler.profiler.kineto_results.events())
+        self._profiler = None
+
+    def _replay(self, events) -> None:
+        """Live bytes after each allocation event, in time order; peaks overall and inside
+        each section's time ranges (a section starts at the live bytes it opens with)."""
+        timeline = [(e.start_ns(), 1, e.nbytes(), "") for e in events if e.name() == "[memory]"]
+        for e in events:
+            if e.name().startswith(_SECTION_PREFIX):
+                name = e.name()[len(_SECTION_PREFIX):]
+                timeline += [(e.start_ns(), 0, 0, name), (e.start_ns() + e.duration_ns(), 2, 0,
+                                                           name)]
+        timeline.sort(key=lambda item: (item[0], item[1]))
+        live = peak = self.base_bytes
+        open_sections: set[str] = set()
+        for _, kind, nbytes, name in timeline:
+            if kind == 0:
+                open_sections.add(name)
+            elif kind == 2:
+                open_sections.discard(name)
+            live += nbytes
+            peak = max(peak, live)
+            for section in open_sections:
+                self.section_peak_bytes[section] = max(self.section_peak_bytes.get(section, 0),
+                                                       live)
+        self.peak_bytes = peak
+
+
+_SECTION_PREFIX = "collage.memory::"
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Mute C-level stderr (file descriptor 2) for a few profiler calls.
+
+    Starting and stopping torch's profiler makes kineto print its own lines
+    ("profiler_start", "profiler_stop", and on machines without a GPU "gpuGetDeviceCount
+    failed") and c10 log once per process that a block allocated before profiling was freed
+    during it (the probe accounts for those through ``base_bytes``). None of it concerns the
+    user of a training run; only those calls run muted, and Python exceptions still
+    propagate normally."""
+    try:
+        sys.stderr.flush()
+        saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    except OSError:  # no file descriptor 2: nothing would be printed anyway
+        yield
+        return
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)

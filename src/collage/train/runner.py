@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from ..cli import UsageError
 from .config import Config, OptimConfig
 from .data import VOCAB_SIZE, load_corpus, make_batches
 from .distributed import Ranks, all_sum, setup
-from .memory import current_rss_bytes, peak_rss_bytes, persistent_bytes
+from .memory import TensorMemoryProbe, current_rss_bytes, peak_rss_bytes, persistent_bytes
 from .models import build_model, is_causal, logits_of
 
 __all__ = [
@@ -140,6 +141,19 @@ def lr_factor(step: int, optim: OptimConfig, total: int) -> float:
     return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * shape
 
 
+def _memory_probe_step(start: int, end: int, track_every: int) -> int | None:
+    """The (0-based) step whose memory is measured: the first one of this call whose
+    optimizer step does not measure lost updates (their float64 copies are not what
+    training needs), preferring a step after the first, whose lazily created states are
+    then already in place; None when this call runs no step."""
+    steps = range(start, end)
+    if not steps:
+        return None
+    plain = [s for s in steps if not track_every or s % track_every]
+    later = [s for s in steps if s > 0]
+    return ([s for s in plain if s > 0] or plain or later or [start])[0]
+
+
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean"):
     logits = logits_of(model, x)
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
@@ -168,12 +182,27 @@ def clip_gradients(model: nn.Module, max_norm: float) -> float:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return 0.0
-    norm = torch.sqrt(sum(g.float().pow(2).sum() for g in grads))
+    norm = torch.sqrt(sum(_squared_sum(g) for g in grads)).float()
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for g in grads:
             g.mul_(scale.to(g.dtype))
     return float(norm)
+
+
+#: Elements per float32 conversion in :func:`_squared_sum`: a bf16 gradient is never widened
+#: whole (a float32 copy of the largest gradient would be a peak the memory model does not have).
+_NORM_CHUNK = 1 << 16
+
+
+def _squared_sum(grad: torch.Tensor) -> torch.Tensor:
+    """``sum(grad**2)``: each range of ``_NORM_CHUNK`` elements squared and summed in float32,
+    the range sums added in float64."""
+    flat = grad.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=grad.device)
+    for part in flat.split(_NORM_CHUNK):
+        total += part.float().pow(2).sum()
+    return total
 
 
 def family_stats(stats: dict[str, float], names: list[tuple[str, int]]
@@ -422,9 +451,15 @@ def train_strategy(
     # phase: "between" steps, in "forward"/backward (nothing persistent changed yet), or in
     # the "update" (weights and optimizer half-updated until the step is recorded).
     done, phase, rng_at_start = start_step, "between", _rng_state()
+    probe_step, probe = _memory_probe_step(start_step, end, run.track_every), None
+    probing = False
     try:
         for step in range(start_step, end):
             phase, rng_at_start = "forward", _rng_state()
+            if step == probe_step:  # one step's peak, measured by the allocator
+                probe = TensorMemoryProbe(device, persistent_bytes(model, opt)["total"])
+                probe.__enter__()
+                probing = True
             x, y = train_batches.batch(step)
             rows = ranks.batch_slice(x.shape[0])
             x, y = x[rows].to(device), y[rows].to(device)
@@ -437,11 +472,15 @@ def train_strategy(
             lr = float(opt.param_groups[0]["lr"])  # torchao keeps lr as a 0-d tensor
             phase = "update"
             stats_before = getattr(opt, "update_stats", None)
-            opt.step()
+            with probe.section("optimizer_step") if step == probe_step else nullcontext():
+                opt.step()
             sched.step()
             if persistent is None and opt.state:  # after the first real (not skipped) step
                 persistent = persistent_bytes(model, opt)
             opt.zero_grad(set_to_none=True)
+            if step == probe_step:
+                probing = False
+                probe.__exit__(None, None, None)
             loss_value = float(getattr(loss, "global_mean", loss).detach())
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -481,6 +520,8 @@ def train_strategy(
             save(done, rng_at_start)
         raise
     finally:
+        if probing:  # interrupted inside the probed step: close the profiler, no result
+            probe.__exit__(*sys.exc_info())
         if bar is not None:
             bar.close()
     if checkpoint_every is not None:
@@ -488,10 +529,14 @@ def train_strategy(
 
     if persistent is None:  # resumed at the end: measure once now
         persistent = persistent_bytes(model, opt)
-    if device.type == "cuda":
+    if probe is not None and probe.peak_bytes is not None:
+        peak, measured = probe.peak_bytes, f"{probe.method}, step {probe_step + 1}"
+        step_peak = probe.section_peak_bytes.get("optimizer_step")
+    elif device.type == "cuda":
         peak, measured = torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
-    else:
-        peak, measured = peak_rss_bytes(), "process_peak_rss"
+        step_peak = None
+    else:  # resumed past the probed step
+        peak, measured, step_peak = peak_rss_bytes(), "process_peak_rss", None
     finite = [v for v in history["edq"] if math.isfinite(v)]
     summary = {
         "strategy": strategy,
@@ -511,6 +556,8 @@ def train_strategy(
         "run_time_s": time.perf_counter() - wall_start,
         "peak_memory_bytes": peak,
         "peak_memory_measured": measured,
+        "optimizer_step_peak_bytes": step_peak,
+        "process_peak_rss_bytes": peak_rss_bytes(),
         "rss_before_bytes": rss_start,
         "persistent_bytes": persistent["total"],
         "persistent": persistent,
