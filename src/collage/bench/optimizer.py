@@ -348,11 +348,12 @@ print(json.dumps(out))
 
 
 def compile_cost(strategies, quiet: bool) -> dict:
-    """First fused step per strategy in a fresh process with an empty inductor cache (cold),
-    then in another fresh process with the cache the first one filled (warm)."""
+    """First fused step per strategy in a fresh process with empty inductor and native-kernel
+    caches (cold), then in another fresh process with the caches the first one filled
+    (warm)."""
     results = {}
     with tempfile.TemporaryDirectory(prefix="collage-inductor-") as cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, COLLAGE_CACHE_DIR=cache)
         for phase in ("cold", "warm"):
             _log(quiet, f"[compile] {phase} process ({len(strategies)} strategies)")
             started = time.perf_counter()
