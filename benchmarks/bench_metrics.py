@@ -4,14 +4,22 @@ Same run, same parameter sizes, tracked and untracked steps interleaved, medians
 after warm-up; prints the ratio tracked / untracked per strategy for the fused and foreach
 paths. The issue's target: a measured fused step costs at most 1.5x an unmeasured one.
 
+On CPU the fused rows compare the native kernels with themselves: the unmeasured native
+step (``collage_adamw``) and the native measured step (``collage_adamw_measured``); each
+row records the backend both optimizers ran (``native``, or ``inductor`` where the native
+kernels are unavailable or do not cover the strategy). ``--backend inductor`` switches the
+native kernels off to measure the inductor kernels instead.
+
 Usage: ``python benchmarks/bench_metrics.py [--numel 4000000] [--repeats 15]
-[--strategies ...] [--paths fused foreach] [--json PATH]``
+[--strategies ...] [--paths fused foreach] [--backend native|inductor] [--threads 1]
+[--json PATH]``
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -19,6 +27,7 @@ import time
 import torch
 
 import collage
+from collage.optim import native
 
 
 _STRATEGIES = ("fp32", "bf16", "stochastic", "mixed", "split", "kahan", "light", "plus")
@@ -52,9 +61,10 @@ def _timed_step(opt: collage.AdamW) -> float:
     return time.perf_counter() - start
 
 
-def _time_pair(strategy: str, path: dict, numel: int, repeats: int) -> tuple[float, float]:
+def _time_pair(strategy: str, path: dict, numel: int, repeats: int) -> dict:
     """Median step times (untracked, tracked), measured interleaved so that load changes on
-    this shared machine hit both alike; the ratio is the median of per-pair ratios."""
+    this shared machine hit both alike; the ratio is the median of per-pair ratios, p90 of
+    each beside it; the backend each optimizer ran."""
     plain, measured = _make(strategy, path, False, numel), _make(strategy, path, True, numel)
     off, on, ratios = [], [], []
     for _ in range(repeats):
@@ -62,7 +72,26 @@ def _time_pair(strategy: str, path: dict, numel: int, repeats: int) -> tuple[flo
         off.append(a)
         on.append(b)
         ratios.append(b / a)
-    return statistics.median(off), statistics.median(on), statistics.median(ratios)
+    return {"untracked_ms": statistics.median(off) * 1e3, "tracked_ms": statistics.median(on) * 1e3,
+            "untracked_p90_ms": _p90(off) * 1e3, "tracked_p90_ms": _p90(on) * 1e3,
+            "ratio": statistics.median(ratios), "ratio_p90": _p90(ratios),
+            "backend_untracked": plain._fused_backend, "backend_tracked": measured._fused_backend}
+
+
+def _cpu() -> str:
+    """The CPU's model name (``/proc/cpuinfo``) and its logical CPU count."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            name = next(line.split(":", 1)[1].strip() for line in handle
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {os.cpu_count()} logical CPUs"
+
+
+def _p90(values: list[float]) -> float:
+    return sorted(values)[min(len(values) - 1, round(0.9 * (len(values) - 1)))]
 
 
 def main() -> None:
@@ -74,21 +103,32 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: OpenMP waits badly on a loaded 2-core machine)")
+    parser.add_argument("--backend", choices=("native", "inductor"), default="native",
+                        help="CPU fused kernels: native C (default) or inductor (native off)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.backend == "inductor":
+        native.covers = lambda *a, **k: False  # this process only
     rows = []
     for strategy in args.strategies:
         for path_name in args.paths:
             path = _PATHS[path_name]
-            off, on, ratio = _time_pair(strategy, path, args.numel, args.repeats)
-            rows.append({"strategy": strategy, "path": path_name, "untracked_ms": off * 1e3,
-                         "tracked_ms": on * 1e3, "ratio": ratio})
-            print(f"{strategy:10s} {path_name:8s} untracked {off*1e3:8.2f} ms  "
-                  f"tracked {on*1e3:8.2f} ms  ratio {ratio:5.2f}x", flush=True)
+            row = {"strategy": strategy, "path": path_name,
+                   **_time_pair(strategy, path, args.numel, args.repeats)}
+            rows.append(row)
+            backend = "" if path_name != "fused" else \
+                f"  [{row['backend_untracked']} / {row['backend_tracked']}]"
+            print(f"{strategy:10s} {path_name:8s} untracked {row['untracked_ms']:8.2f} ms  "
+                  f"tracked {row['tracked_ms']:8.2f} ms  ratio {row['ratio']:5.2f}x "
+                  f"(p90 {row['ratio_p90']:4.2f}x){backend}", flush=True)
     if args.json:
         meta = {"torch": torch.__version__, "collage": collage.__version__,
-                "machine": platform.processor() or platform.machine(),
-                "threads": torch.get_num_threads(), "numel": args.numel}
+                "python": platform.python_version(),
+                "machine": _cpu(),
+                "native": native.info() if args.backend == "native" else None,
+                "threads": torch.get_num_threads(), "numel": args.numel,
+                "repeats": args.repeats, "load_average": list(os.getloadavg()),
+                "date": time.strftime("%Y-%m-%d %H:%M:%S")}
         with open(args.json, "w") as handle:
             json.dump({"meta": meta, "rows": rows}, handle, indent=2)
 

@@ -284,7 +284,8 @@ class CollageOptimizer(Optimizer):
     def _path(self, group: dict, device: torch.device, native: bool = False) -> str:
         """The group's path. ``native``: the native CPU kernels cover the group (only
         ``fused.step_group`` says so): then the default (``fused=None``) is fused on CPU too.
-        Measured steps and per-parameter steps ask without it, so an unset ``fused`` never
+        Measured steps run the native kernels too where they cover the group; otherwise
+        measured and per-parameter steps ask without it, so an unset ``fused`` never
         compiles inductor kernels on CPU."""
         fused, foreach = group["fused"], group["foreach"]
         if fused:
@@ -350,12 +351,11 @@ class CollageOptimizer(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         for index, group, items in batches:
             strategy = get_strategy(group["strategy"])
-            if stats is None and fused.step_group(self, index, group, strategy, items,
-                                                  grad_scale):
-                continue  # the fused path steps the whole group at once
+            if fused.step_group(self, index, group, strategy, items, grad_scale, stats):
+                continue  # the fused path steps the whole group at once (measured: native)
             if stats is not None and tracked.step_group_tracked(self, index, group, strategy,
                                                                 items, grad_scale, stats):
-                continue  # ... and measures it in the same pass
+                continue  # ... measured by inductor kernels in the same pass
             for name, param, grad in items:
                 self._step_param(index, group, strategy, name, param, grad, grad_scale, stats)
         self._steps_taken += 1

@@ -266,7 +266,8 @@ class _Entry:
         self.native = native_row  # native.row_tensors(...) on the native path
 
 
-def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) -> bool:
+def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale,
+               stats=None) -> bool:
     """Step every parameter of ``group`` on the fused path; False if the group is not on it.
 
     ``items`` are ``(name, param, grad)`` with gradients present. Returns False (and changes
@@ -276,14 +277,20 @@ def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) 
     On CPU, groups the native kernels cover (``native.covers``) run them (one C call per
     step value and gradient dtype) instead of inductor's; such groups are on the fused path
     by default (``fused=None``).
+
+    ``stats`` (a measured step, ``collage.metrics.UpdateStats``): only native groups are
+    stepped here, by the measured native kernel, which adds each tensor's sums under
+    ``optimizer._stat_keys``; other groups return False (``tracked.py`` measures them).
     """
     if not items:
-        return True
+        return stats is None
     device = _local(items[0][1]).device
     rule = optimizer.rule
     use_native = (device.type == "cpu" and group["foreach"] is None
                   and group["fused"] is not False) and native.covers(
         rule, strategy, [_local(p) for _, p, _ in items], [_local(g) for _, _, g in items])
+    if stats is not None and not use_native:
+        return False
     if optimizer._path(group, device, native=use_native) != "fused" or not (
             use_native or available()):
         return False
@@ -311,7 +318,7 @@ def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) 
                                             checked=True)
             usable = native_row is not None
         if not usable:  # rare layouts: the per-parameter path (it advances its own step)
-            optimizer._step_param(index, group, strategy, name, param, grad, grad_scale, None)
+            optimizer._step_param(index, group, strategy, name, param, grad, grad_scale, stats)
             continue
         entries.append(_Entry(name, param, local_param, local_grad, state, tensors, offset,
                               native_row))
@@ -324,7 +331,8 @@ def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) 
     if use_native:
         for entry, value in zip(entries, values):
             entry.step = int(value)
-        _step_native(optimizer, group, strategy, entries, grad_scale, maximize)
+        _step_native(optimizer, index, group, strategy, entries, grad_scale, maximize,
+                     stats)
         optimizer._fused_backend = "native"
         return True
     optimizer._fused_backend = "inductor"
@@ -389,21 +397,57 @@ def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale) 
     return True
 
 
-def _step_native(optimizer, group: dict, strategy, entries: list[_Entry], grad_scale,
-                 maximize: bool) -> None:
-    """The native CPU kernels: one call per (step value, gradient dtype), all tensors."""
+def _step_native(optimizer, index: int, group: dict, strategy, entries: list[_Entry],
+                 grad_scale, maximize: bool, stats=None) -> None:
+    """The native CPU kernels: one call per (step value, gradient dtype), all tensors; with
+    ``stats``, the measured kernel, whose per-tensor sums (a float64 host array: nothing to
+    synchronise) are added to the tensors' keys, once per distinct key."""
     stochastic = strategy.name == "stochastic"
     scale = None if grad_scale is None else float(grad_scale)
     jobs: dict[tuple, list[tuple]] = {}
-    for entry in entries:
+    owners: dict[tuple, list[int]] = {}
+    for position, entry in enumerate(entries):
         if entry.numel == 0:
             continue
         keys = stochastic_key(optimizer, entry.whole, entry.step) if stochastic else (0, 0)
-        jobs.setdefault((entry.step, entry.grad.dtype), []).append(
-            (entry.native, entry.offset, *keys))
-    for (step, _), rows in jobs.items():
-        native.adamw(strategy.name, optimizer.rule.coefficients(group, step), rows,
-                     scale=scale, maximize=maximize)
+        job = (entry.step, entry.grad.dtype)
+        jobs.setdefault(job, []).append((entry.native, entry.offset, *keys))
+        owners.setdefault(job, []).append(position)
+    sums = None
+    if stats is not None:  # one row per entry; an empty tensor adds zeros under its keys
+        sums = torch.zeros(len(entries), native._FIELDS, dtype=torch.float64)
+    for job, rows in jobs.items():
+        out = None
+        if sums is not None:  # the usual single job over every entry writes in place
+            whole = len(owners[job]) == len(entries)
+            out = sums if whole else torch.empty(len(rows), native._FIELDS,
+                                                 dtype=torch.float64)
+        native.adamw(strategy.name, optimizer.rule.coefficients(group, job[0]), rows,
+                     scale=scale, maximize=maximize, sums=out)
+        if out is not None and out is not sums:
+            sums[owners[job]] = out
+    if stats is not None:
+        _add_native_sums(optimizer, index, group, entries, sums, stats)
+
+
+def _add_native_sums(optimizer, index: int, group: dict, entries: list[_Entry],
+                     sums: torch.Tensor, stats) -> None:
+    """Each entry's row of ``sums`` into its keys (``optimizer._stat_keys``), once per
+    distinct key: a key shared by every entry (``""``, the group's) adds one float64 total."""
+    by_key: dict[str, list[int]] = {}
+    for position, entry in enumerate(entries):
+        for key in dict.fromkeys(optimizer._stat_keys(index, group, entry.name)):
+            by_key.setdefault(key, []).append(position)
+    total = None
+    for key, positions in by_key.items():
+        if len(positions) == 1:
+            row = sums[positions[0]]
+        elif len(positions) == len(entries):
+            total = sums.sum(0) if total is None else total
+            row = total
+        else:
+            row = sums[positions].sum(0)
+        stats.add_sums(key, row)
 
 
 def _pack(rule, coeffs: dict, device: torch.device

@@ -9,15 +9,18 @@ keep the inductor kernels.
 **Semantics.** The float32-register kernel of the foreach path (``rules.AdamW.fast``,
 ``kernels._land``, ``kernels._store_states``) operation for operation, each correctly
 rounded, with torch's roundings (``lerp_`` and ``addcmul_`` are fused multiply-adds on CPU;
-bf16 stores round to nearest even, NaN -> 0xFFFF): the results are **bitwise identical to
-the foreach path** for every covered strategy (``tests/optim/test_native.py``), and for
-``fp32`` to ``torch.optim.AdamW``'s single-tensor path. ``stochastic`` draws its uniforms in
+bf16 stores round to nearest even, NaN -> 0xFFFF) and one deliberate difference: the square
+root is correctly rounded, where torch's vectorised CPU ``sqrt`` is not for every input (then
+the update differs by one float32 unit). Given a correctly rounded square root the results
+are **bitwise identical to the foreach path** for every covered strategy
+(``tests/optim/test_native.py``). ``stochastic`` draws its uniforms in
 the kernel with the inductor fused path's counter-based hash (``fused.counter_uniform``,
 keyed by ``fused.stochastic_seeds``), so it equals the inductor fused path bit for bit.
 
 **Build.** ``native_adamw.c`` (shipped with the package) is compiled on first use with the
 system C compiler (``$CC``, else ``cc``, ``gcc``, ``clang``), ``-O3 -march=native
--ffp-contract=off -shared -fPIC``, without torch headers (about one second), into
+-ffp-contract=off -shared -fPIC``, without torch headers (about 13 s for the AVX-512 build on a
+2-vCPU Zen 4 guest, 2 s for the portable one: the measured variants double the code), into
 ``$COLLAGE_CACHE_DIR/native/`` (default ``~/.cache/collage/native/``; ``$XDG_CACHE_HOME``
 is honoured). The file name is a hash of the source, the compiler's version, the flags and
 the machine (architecture and CPU flags), so a new compiler or CPU builds a new library and
@@ -37,6 +40,20 @@ pointers and lengths, no concatenation, no per-tensor kernel launch. With
 ``torch.get_num_threads() > 1`` the elements are split into that many ranges run from a
 thread pool (ctypes releases the GIL); each element's draw depends only on its index in the
 whole tensor, so the split changes no result.
+
+**Measured steps** (``track_updates``): :func:`adamw` with ``sums`` runs
+``collage_adamw_measured``, the same per-element step code (the weights and states are bit
+for bit those of the unmeasured call) that also reduces each tensor's 11 lost-update sums
+(``collage.metrics.FIELDS``) from the values in registers, with the semantics of
+``tracked.py``'s CPU kernel: the intended update in float32, the changes with an exact zero
+test, products summed in float32 with at most 256 terms per partial sum (one per vector
+lane on AVX-512, 256 consecutive elements in the portable build) and those partial sums
+in float64; counts exact. A pair's change (kahan, light, plus) is
+``fl(fl(hi' - hi) + fl(lo' - lo))``: tracked's TwoSum value wherever both differences are
+exact, and an exact zero test for every pair the optimizer produces (the proof is at
+``pair_change`` in the C file). The sums land in a float64 host array: no device
+synchronisation. A tensor split between threads gets one sum vector per range, added in
+float64 (partial sums regroup, within the same bound; counts are unchanged).
 """
 
 from __future__ import annotations
@@ -61,7 +78,7 @@ import torch
 __all__ = ["available", "backend", "covers", "adamw", "STRATEGY_CODES", "library_path"]
 
 SOURCE = Path(__file__).with_name("native_adamw.c")
-ABI = 1
+ABI = 2
 STRATEGY_CODES = {"fp32": 0, "mixed": 1, "bf16": 2, "kahan": 3, "stochastic": 4, "light": 5,
                   "plus": 6, "split": 7}
 # flags of collage_adamw (native_adamw.c)
@@ -70,6 +87,8 @@ _FLAGS = (("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"),
           ("-O3", "-ffp-contract=off", "-shared", "-fPIC"))
 # a thread gets at least this many elements (below, the pool's overhead dominates)
 _MIN_CHUNK = 1 << 16
+# the lost-update sums of one tensor (len(collage.metrics.FIELDS); native_adamw.c M_COUNT)
+_FIELDS = 11
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -193,6 +212,9 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.collage_adamw.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
                                   ctypes.c_void_p, ctypes.c_void_p]
     lib.collage_adamw.restype = ctypes.c_int
+    lib.collage_adamw_measured.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.collage_adamw_measured.restype = ctypes.c_int
     return lib
 
 
@@ -294,7 +316,7 @@ def row_tensors(strategy: str, param: torch.Tensor, grad: torch.Tensor, state: M
 
 def adamw(strategy: str, coeffs: Mapping[str, float], rows: Sequence[tuple], *,
           scale: float | None = None, maximize: bool = False, threads: int | None = None,
-          lib: ctypes.CDLL | None = None) -> None:
+          sums: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> None:
     """Step tensors of one strategy with one set of AdamW coefficients.
 
     ``rows``: ``(tensors, first_index, key0, key1)`` with ``tensors`` from
@@ -303,11 +325,18 @@ def adamw(strategy: str, coeffs: Mapping[str, float], rows: Sequence[tuple], *,
     ``fused.stochastic_seeds`` (stochastic; else 0). ``coeffs``: ``rules.AdamW
     .coefficients`` (float64, rounded to float32 here as torch rounds a Python number).
     ``scale``: the GradScaler scale (float32 value) or None. ``threads``: default
-    ``torch.get_num_threads()``. ``lib``: another build of the library (tests).
+    ``torch.get_num_threads()``. ``sums``: a contiguous CPU float64 tensor of shape
+    ``(len(rows), len(collage.metrics.FIELDS))``: measure the step, each row's lost-update
+    sums are written there (overwritten). ``lib``: another build of the library (tests).
     """
     lib = lib or _load()
     if lib is None:
         raise RuntimeError("native kernels are unavailable: " + str(_info.get("reason")))
+    if sums is not None and (sums.dtype != torch.float64 or sums.device.type != "cpu"
+                             or not sums.is_contiguous()
+                             or tuple(sums.shape) != (len(rows), _FIELDS)):
+        raise ValueError(f"sums must be a contiguous CPU float64 tensor of shape "
+                         f"({len(rows)}, {_FIELDS}), got {sums.dtype} {tuple(sums.shape)}")
     if not rows:
         return
     decay = float(coeffs["decay"])
@@ -332,32 +361,49 @@ def adamw(strategy: str, coeffs: Mapping[str, float], rows: Sequence[tuple], *,
     total = sum(r[0] for r in table)
     parts = max(1, min(threads, total // _MIN_CHUNK))
     if parts == 1:
-        _call(lib, code, flags, table, h)
+        _call(lib, code, flags, table, h, None if sums is None else sums.data_ptr())
         return
     chunks = _split(table, sizes, parts)
-    pool = _executor(parts - 1)
-    futures = [pool.submit(_call, lib, code, flags, chunk, h) for chunk in chunks[1:]]
-    _call(lib, code, flags, chunks[0], h)
+    # measured: one sum vector per piece, added into its tensor's row afterwards
+    pieces = [None if sums is None else array("d", bytes(8 * _FIELDS * len(c)))
+              for c, _ in chunks]
+    pool = _executor(len(chunks) - 1)
+    futures = [pool.submit(_call, lib, code, flags, chunk, h,
+                           None if out is None else out.buffer_info()[0])
+               for (chunk, _), out in zip(chunks[1:], pieces[1:])]
+    _call(lib, code, flags, chunks[0][0], h,
+          None if pieces[0] is None else pieces[0].buffer_info()[0])
     for future in futures:
         future.result()
+    if sums is not None:
+        owners = torch.tensor([o for _, chunk_owners in chunks for o in chunk_owners])
+        values = torch.cat([torch.frombuffer(out, dtype=torch.float64) for out in pieces])
+        sums.zero_().index_add_(0, owners, values.view(-1, _FIELDS))
 
 
-def _call(lib, code: int, flags: int, table: list[list[int]], h: array) -> None:
+def _call(lib, code: int, flags: int, table: list[list[int]], h: array,
+          sums: int | None = None) -> None:
+    """One C call; ``sums``: the address of ``len(table)`` float64 sum vectors (measured)."""
     flat = array("q", [x for row in table for x in row])
-    status = lib.collage_adamw(code, flags, len(table), flat.buffer_info()[0],
-                               h.buffer_info()[0])
+    if sums is None:
+        status = lib.collage_adamw(code, flags, len(table), flat.buffer_info()[0],
+                                   h.buffer_info()[0])
+    else:
+        status = lib.collage_adamw_measured(code, flags, len(table), flat.buffer_info()[0],
+                                            h.buffer_info()[0], sums)
     if status != 0:  # pragma: no cover - codes come from STRATEGY_CODES
         raise RuntimeError(f"collage_adamw returned {status}")
 
 
-def _split(table, sizes, parts: int) -> list[list[list[int]]]:
+def _split(table, sizes, parts: int) -> list[tuple[list[list[int]], list[int]]]:
     """The rows cut into ``parts`` runs of about equal element counts (cuts on multiples of
-    64 elements: no two threads write one cache line)."""
+    64 elements: no two threads write one cache line): ``(pieces, owners)`` per run, where
+    ``owners[j]`` is the index in ``table`` of the row piece ``j`` comes from."""
     total = sum(row[0] for row in table)
     target = -(-total // parts)
-    chunks: list[list[list[int]]] = [[]]
+    chunks: list[tuple[list[list[int]], list[int]]] = [([], [])]
     room = target
-    for row, size in zip(table, sizes):
+    for owner, (row, size) in enumerate(zip(table, sizes)):
         start, n = 0, row[0]
         while start < n:
             take = n - start
@@ -365,13 +411,14 @@ def _split(table, sizes, parts: int) -> list[list[list[int]]]:
                 take = min(take, -(-room // 64) * 64)
             piece = [take] + [p + start * s if p else 0 for p, s in zip(row[1:7], size)] + \
                 [row[7] + start, row[8], row[9]]
-            chunks[-1].append(piece)
+            chunks[-1][0].append(piece)
+            chunks[-1][1].append(owner)
             start += take
             room -= take
             if room <= 0 and len(chunks) < parts:
-                chunks.append([])
+                chunks.append(([], []))
                 room = target
-    return [c for c in chunks if c]
+    return [c for c in chunks if c[0]]
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:

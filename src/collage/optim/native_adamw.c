@@ -26,6 +26,21 @@
  *
  * Two builds of the same arithmetic: AVX-512 (F, BW, VL) intrinsics when the compiler
  * targets them, and a portable scalar loop otherwise (any C99 compiler; fmaf from libm).
+ *
+ * Measured steps (collage_adamw_measured) run the same per-element (per-vector) step code
+ * and, from the values already in registers, reduce the 11 lost-update sums of
+ * collage.metrics.FIELDS per table row with the semantics of optim/tracked.py's CPU kernel:
+ *
+ *   d  = u - W * lr_wd                    the intended update, float32 (kernels.fast_step
+ *                                         with intended_dtype=float32); W the weight read
+ *   e  = change of the represented value  one component a: fl(a' - a), zero iff a' == a;
+ *                                         a pair (hi, lo): see pair_change (TwoSum's value
+ *                                         where the differences are exact)
+ *   ev = change of the visible weight     fl(w' - w), w the bf16 (fp32) weight
+ *
+ * Sums of products accumulate in float32 (one fma per term), each partial sum over at most
+ * SUM_BLOCK = 256 elements (AVX-512: one per vector lane, every 16th element), then in
+ * float64; counts are exact integers.
  */
 
 #include <math.h>
@@ -39,7 +54,7 @@
 #define COLLAGE_AVX512 0
 #endif
 
-#define COLLAGE_ABI 1
+#define COLLAGE_ABI 2
 
 /* strategies, in collage.optim.native.STRATEGY_CODES order */
 enum { S_FP32, S_MIXED, S_BF16, S_KAHAN, S_STOCHASTIC, S_LIGHT, S_PLUS, S_SPLIT };
@@ -56,6 +71,15 @@ enum {
 /* hyperparameters, float32 (rounded from float64 on the host, as torch rounds a Python
  * number it multiplies a float32 tensor by) */
 enum { H_LERP, H_BETA2, H_OMB2, H_BC2S, H_EPS, H_NEG_STEP, H_DECAY, H_LR_WD, H_SCALE, H_COUNT };
+
+/* the lost-update sums of one table row, collage.metrics.FIELDS order, float64 each */
+enum {
+    M_DOT_ED, M_DD, M_EE, M_N_NONZERO, M_N_STUCK, M_DOT_EVD, M_EVEV, M_N_STUCK_V, M_CC,
+    M_N_COMP, M_N_ELEMENTS, M_COUNT
+};
+
+/* elements per float32 partial sum (collage.metrics.stats.BLOCK) */
+#define SUM_BLOCK 256
 
 /* one row of the tensor table, int64 each */
 enum {
@@ -134,9 +158,81 @@ static inline void split_encode(float master, uint16_t *weight, uint16_t *low) {
     *low = (uint16_t)l;
 }
 
-/* one element of any strategy (constant S, G32: specialised by inlining) */
+/* ------------------------------------------------------------------------------------ */
+/* lost-update sums (measured steps)                                                      */
+/* ------------------------------------------------------------------------------------ */
+
+/* strategies whose visible weight is not their represented value; those whose represented
+ * value is a pair (weight, weight_lo or compensation), the second part also counted as
+ * the compensation */
+#define SEPARATE_VISIBLE(S) ((S) == S_MIXED || (S) == S_SPLIT || PAIR(S))
+#define PAIR(S) ((S) == S_KAHAN || (S) == S_LIGHT || (S) == S_PLUS)
+
+/* the float sums a block accumulates */
+enum { A_DOT_ED, A_DD, A_EE, A_DOT_EVD, A_EVEV, A_CC, A_COUNT };
+
+/* a row's totals: float64 sums of the blocks' float32 sums, exact counts */
+typedef struct {
+    double sum[A_COUNT];
+    int64_t nonzero, stuck, stuck_visible;
+} totals;
+
+/* Write a row's totals as the FIELDS vector. Where the visible weight is the represented
+ * value its fields are copies (update_sums_blocked with visible_change None). */
+static void write_sums(int S, const totals *t, int64_t n, double *out) {
+    int separate = SEPARATE_VISIBLE(S), pair = PAIR(S);
+    out[M_DOT_ED] = t->sum[A_DOT_ED];
+    out[M_DD] = t->sum[A_DD];
+    out[M_EE] = t->sum[A_EE];
+    out[M_N_NONZERO] = (double)t->nonzero;
+    out[M_N_STUCK] = (double)t->stuck;
+    out[M_DOT_EVD] = separate ? t->sum[A_DOT_EVD] : t->sum[A_DOT_ED];
+    out[M_EVEV] = separate ? t->sum[A_EVEV] : t->sum[A_EE];
+    out[M_N_STUCK_V] = (double)(separate ? t->stuck_visible : t->stuck);
+    out[M_CC] = pair ? t->sum[A_CC] : 0.0;
+    out[M_N_COMP] = pair ? (double)n : 0.0;
+    out[M_N_ELEMENTS] = (double)n;
+}
+
+/* The change e of a pair's value hi + lo (kahan: weight + compensation; light, plus:
+ * weight + weight_lo) from (hi, lo) to (hi1, lo1), and whether it is exactly zero:
+ *
+ *   s = fl(fl(hi1 - hi) + fl(lo1 - lo)),   e = fma(s, 0, s),   stuck = (s == 0)
+ *
+ * Where both differences are exact -- the components' exponents within 15 of each other
+ * (8-bit significands: the difference fits 24 bits) or one of them zero, the normal case --
+ * this is metrics.component_change's TwoSum value (its error terms are then +0), up to the
+ * sign of a zero, and s == 0 iff hi1 + lo1 == hi + lo (with gradual underflow a sum of two
+ * floats is zero only when they cancel exactly).
+ *
+ * A rounded difference cannot cancel, for the normalised pairs the optimizer keeps: hi + lo
+ * lies in hi's rounding interval (round to nearest leaves lo within half the gap to hi's
+ * neighbour on lo's side; kahan's compensation is that residual up to one float32
+ * rounding). Say hi < hi1. Rounding intervals do not overlap, so hi1 + lo1 >= hi + lo. If
+ * hi1 - hi is inexact, hi and hi1 are 16 binades apart and |lo1 - lo| <= 2**-7 |hi1 - hi|.
+ * If lo1 - lo is inexact, one of lo, lo1 is 2**16 times the other and a negative
+ * difference comes from lo > 0 (at most half the gap above hi) or lo1 < 0 (at most half
+ * the gap below hi1), both at most (hi1 - hi) / 2. Either way s != 0 and e is within three
+ * float32 roundings of the exact change: the counts are exact, the sums within their
+ * bound. A pair edited by hand outside the optimizer can break the normalisation. The fma
+ * turns an infinite s into nan, as TwoSum's error term does. Four vector operations
+ * instead of TwoSum's seventeen, which made light and kahan's measured step 1.7-1.9x. */
+static inline void pair_change(float hi1, float lo1, float hi, float lo, float *e,
+                               int *stuck) {
+    float s = (hi1 - hi) + (lo1 - lo);
+    *e = s + s * 0.0f; /* the fma below, in two exact steps (no libm call) */
+    *stuck = s == 0.0f;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* the portable build: one element at a time                                            */
+/* ------------------------------------------------------------------------------------ */
+
+/* One element of any strategy (constant S, G32, MEAS: specialised by inlining). With MEAS,
+ * the element's terms are added to the block's float32 sums ``acc`` and counts ``t``. */
 static inline __attribute__((always_inline)) void scalar_element(
-    const int S, const int G32, int flags, const float *h, const int64_t *row, int64_t i) {
+    const int S, const int G32, const int MEAS, int flags, const float *h, const int64_t *row,
+    int64_t i, float *acc, totals *t) {
     float g = G32 ? ((const float *)row[T_G])[i] : bf_load(((const uint16_t *)row[T_G])[i]);
     if (flags & F_SCALED) g = g / h[H_SCALE];
     if (flags & F_MAXIMIZE) g = -g;
@@ -155,55 +251,74 @@ static inline __attribute__((always_inline)) void scalar_element(
     float u = (m * h[H_NEG_STEP]) / (sqrtf(v) / h[H_BC2S] + h[H_EPS]);
     int decay = flags & F_DECAY;
     uint16_t *wb = (uint16_t *)row[T_W], *xb = (uint16_t *)row[T_X];
+    /* for the sums: W the float32 weight the step reads; the represented value (or pair)
+     * and the visible weight before (r0, x0, v0) and after (r1, x1, v1) */
+    float W = 0.0f, r0 = 0.0f, x0 = 0.0f, v0 = 0.0f, r1 = 0.0f, x1 = 0.0f, v1 = 0.0f;
     switch (S) {
     case S_FP32: {
         float *w = (float *)row[T_W];
-        w[i] = (decay ? w[i] * h[H_DECAY] : w[i]) + u;
+        W = r0 = w[i];
+        w[i] = r1 = (decay ? W * h[H_DECAY] : W) + u;
         break;
     }
     case S_MIXED: {
         float *master = (float *)row[T_X];
-        float W = (decay ? master[i] * h[H_DECAY] : master[i]) + u;
-        master[i] = W;
-        wb[i] = bf_round(W);
+        W = r0 = master[i];
+        if (MEAS) v0 = bf_load(wb[i]);
+        float nw = (decay ? W * h[H_DECAY] : W) + u;
+        master[i] = r1 = nw;
+        wb[i] = bf_round(nw);
+        v1 = bf_load(wb[i]);
         break;
     }
     case S_BF16: {
-        float W = bf_load(wb[i]);
+        W = r0 = bf_load(wb[i]);
         wb[i] = bf_round((decay ? W * h[H_DECAY] : W) + u);
+        r1 = bf_load(wb[i]);
         break;
     }
     case S_STOCHASTIC: {
-        float W = bf_load(wb[i]);
+        W = r0 = bf_load(wb[i]);
         float draw = uniform((uint32_t)(row[T_INDEX] + i), (uint32_t)row[T_KEY0],
                              (uint32_t)row[T_KEY1]);
         wb[i] = bf_stochastic((decay ? W * h[H_DECAY] : W) + u, draw);
+        r1 = bf_load(wb[i]);
         break;
     }
     case S_KAHAN: {
-        float W = bf_load(wb[i]);
+        W = r0 = v0 = bf_load(wb[i]);
+        x0 = bf_load(xb[i]);
         /* decay == 1: the foreach path adds the update to +0 (a -0 update becomes +0) */
         float increment = (decay ? (-W) * h[H_LR_WD] : 0.0f) + u;
-        float corrected = increment + bf_load(xb[i]);
+        float corrected = increment + x0;
         uint16_t hi = bf_round(W + corrected);
         float hf = bf_load(hi);
         wb[i] = hi;
         xb[i] = finite_bits(u_of(hf)) ? bf_round(corrected - (hf - W)) : 0;
+        r1 = v1 = hf;
+        x1 = bf_load(xb[i]);
         break;
     }
     case S_LIGHT:
     case S_PLUS: {
-        float W = bf_load(wb[i]) + bf_load(xb[i]);
+        r0 = v0 = bf_load(wb[i]);
+        x0 = bf_load(xb[i]);
+        W = r0 + x0;
         float nw = (decay ? W * h[H_DECAY] : W) + u;
         uint16_t hi = bf_round(nw);
         float hf = bf_load(hi);
         wb[i] = hi;
         xb[i] = finite_bits(u_of(hf)) ? bf_round(nw - hf) : 0;
+        r1 = v1 = hf;
+        x1 = bf_load(xb[i]);
         break;
     }
     case S_SPLIT: {
-        float W = split_decode(wb[i], xb[i]);
-        split_encode((decay ? W * h[H_DECAY] : W) + u, &wb[i], &xb[i]);
+        if (MEAS) v0 = bf_load(wb[i]);
+        W = r0 = split_decode(wb[i], xb[i]);
+        r1 = (decay ? W * h[H_DECAY] : W) + u;
+        split_encode(r1, &wb[i], &xb[i]);
+        v1 = bf_load(wb[i]);
         break;
     }
     }
@@ -219,12 +334,48 @@ static inline __attribute__((always_inline)) void scalar_element(
             ((uint16_t *)row[T_VLO])[i] = finite_bits(u_of(vf)) ? bf_round(v - vf) : 0;
         }
     }
+    if (MEAS) {
+        float d = u - W * h[H_LR_WD];
+        float e;
+        int stuck;
+        if (PAIR(S)) {
+            pair_change(r1, x1, r0, x0, &e, &stuck);
+        } else {
+            e = r1 - r0;
+            stuck = e == 0.0f;
+        }
+        int moving = !(d == 0.0f); /* NaN counts as moving, as torch's != */
+        acc[A_DOT_ED] += e * d;
+        acc[A_DD] += d * d;
+        acc[A_EE] += e * e;
+        t->nonzero += moving;
+        t->stuck += moving && stuck;
+        if (SEPARATE_VISIBLE(S)) {
+            float ev = v1 - v0;
+            acc[A_DOT_EVD] += ev * d;
+            acc[A_EVEV] += ev * ev;
+            t->stuck_visible += moving && ev == 0.0f;
+        }
+        if (PAIR(S)) acc[A_CC] += x1 * x1;
+    }
 }
 
 static inline __attribute__((always_inline)) void scalar_range(
-    const int S, const int G32, int flags, const float *h, const int64_t *row,
-    int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; i++) scalar_element(S, G32, flags, h, row, i);
+    const int S, const int G32, const int MEAS, int flags, const float *h,
+    const int64_t *row, int64_t begin, int64_t end, double *out) {
+    if (!MEAS) {
+        for (int64_t i = begin; i < end; i++)
+            scalar_element(S, G32, 0, flags, h, row, i, NULL, NULL);
+        return;
+    }
+    totals t = {{0}, 0, 0, 0};
+    for (int64_t b = begin; b < end; b += SUM_BLOCK) {
+        float acc[A_COUNT] = {0};
+        int64_t stop = end - b < SUM_BLOCK ? end : b + SUM_BLOCK;
+        for (int64_t i = b; i < stop; i++) scalar_element(S, G32, 1, flags, h, row, i, acc, &t);
+        for (int f = 0; f < A_COUNT; f++) t.sum[f] += (double)acc[f];
+    }
+    write_sums(S, &t, end - begin, out);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -382,12 +533,12 @@ typedef struct {
  * whose fast rounding must be redone (never with ``exact``). */
 typedef struct {
     __m256i w, x, m, v, vlo;
-    __m512 w32, m32, v32;
+    __m512 w32, m32, v32; /* w32: the new weight (fp32), master (mixed, split) */
 } vout;
 
 static inline __attribute__((always_inline)) __mmask16 vector_land(
     const int S, const int exact, const vcoeffs *c, vrow r, int64_t i,
-    __m512 m, __m512 v, __m512 u, __m512 W, __m512 X, __m512i w16, __m512i x16, vout *o) {
+    __m512 m, __m512 v, __m512 u, __m512 W, __m512 X, vout *o) {
     __mmask16 bad = 0;
     switch (S) {
     case S_FP32:
@@ -424,14 +575,11 @@ static inline __attribute__((always_inline)) __mmask16 vector_land(
         o->x = v_residual(nw, v_widen(o->w), exact, &bad);
         break;
     }
-    case S_SPLIT: { /* w16, x16: the bf16 weight and the low bits, zero-extended */
+    case S_SPLIT: { /* W: the decoded float32 master */
         __m512i half = _mm512_set1_epi32(0x8000);
-        /* w - (low > 0x8000): the all-ones mask is -1 */
-        __m512i up = _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(x16, half));
-        __m512 Wd = _mm512_castsi512_ps(
-            _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(w16, up), 16), x16));
-        Wd = _mm512_mask_mul_ps(Wd, c->decays, Wd, c->decay);
-        __m512i bits = _mm512_castps_si512(_mm512_add_ps(Wd, u));
+        __m512 Wd = _mm512_mask_mul_ps(W, c->decays, W, c->decay);
+        o->w32 = _mm512_add_ps(Wd, u);
+        __m512i bits = _mm512_castps_si512(o->w32);
         __m512i l = _mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF));
         __m512i top = _mm512_sub_epi32(_mm512_srli_epi32(bits, 16),
                                        _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(l, half)));
@@ -451,9 +599,78 @@ static inline __attribute__((always_inline)) __mmask16 vector_land(
     return bad;
 }
 
+/* A block's float32 sums, one per lane: each lane sums SUM_BLOCK terms (of every 16th
+ * element) before it is flushed into float64. */
+typedef struct {
+    __m512 sum[A_COUNT];
+} vacc;
+
+/* The lost-update terms of one vector (see the header): ``W`` the float32 weight the step
+ * read, ``V0`` the visible weight before (separate-visible strategies), ``X0`` the pair's
+ * second part before; the after values come from ``o``. Lanes outside ``k`` count nothing. */
+static inline __attribute__((always_inline)) void vector_measure(
+    const int S, const vcoeffs *c, __mmask16 k, __m512 u, __m512 W, __m512 V0, __m512 X0,
+    const vout *o, vacc *a, totals *t) {
+    __m512 zero = _mm512_setzero_ps();
+    __m512 d = _mm512_sub_ps(u, _mm512_mul_ps(W, c->lr_wd));
+    __m512 e = zero, ev = zero, x1 = zero, v1 = zero;
+    __mmask16 stuck;
+    if (S == S_FP32 || S == S_MIXED || S == S_SPLIT) e = _mm512_sub_ps(o->w32, W);
+    if (S != S_FP32) v1 = v_widen(o->w);
+    if (S == S_BF16 || S == S_STOCHASTIC) e = _mm512_sub_ps(v1, W);
+    if (PAIR(S)) {
+        /* r0: the pair's first part before (kahan reads it as W). See pair_change. */
+        __m512 r0 = S == S_KAHAN ? W : V0;
+        x1 = v_widen(o->x);
+        __m512 sum = _mm512_add_ps(_mm512_sub_ps(v1, r0), _mm512_sub_ps(x1, X0));
+        e = _mm512_fmadd_ps(sum, zero, sum); /* inf -> nan, as TwoSum's error term */
+        stuck = _mm512_cmp_ps_mask(sum, zero, _CMP_EQ_OQ);
+    } else {
+        stuck = _mm512_cmp_ps_mask(e, zero, _CMP_EQ_OQ);
+    }
+    if (SEPARATE_VISIBLE(S)) ev = _mm512_sub_ps(v1, S == S_KAHAN ? W : V0);
+    __mmask16 moving = _mm512_cmp_ps_mask(d, zero, _CMP_NEQ_UQ); /* NaN moves */
+    if (!FULL(k)) { /* a tail: the other lanes hold the step of zeros (NaN if eps == 0) */
+        moving &= k;
+        d = _mm512_maskz_mov_ps(k, d);
+        e = _mm512_maskz_mov_ps(k, e);
+        ev = _mm512_maskz_mov_ps(k, ev);
+        x1 = _mm512_maskz_mov_ps(k, x1);
+    }
+    a->sum[A_DOT_ED] = _mm512_fmadd_ps(e, d, a->sum[A_DOT_ED]);
+    a->sum[A_DD] = _mm512_fmadd_ps(d, d, a->sum[A_DD]);
+    a->sum[A_EE] = _mm512_fmadd_ps(e, e, a->sum[A_EE]);
+    t->nonzero += __builtin_popcount((unsigned)moving);
+    t->stuck += __builtin_popcount((unsigned)(moving & stuck));
+    if (SEPARATE_VISIBLE(S)) {
+        a->sum[A_DOT_EVD] = _mm512_fmadd_ps(ev, d, a->sum[A_DOT_EVD]);
+        a->sum[A_EVEV] = _mm512_fmadd_ps(ev, ev, a->sum[A_EVEV]);
+        __mmask16 still = _mm512_cmp_ps_mask(ev, zero, _CMP_EQ_OQ);
+        t->stuck_visible += __builtin_popcount((unsigned)(moving & still));
+    }
+    if (PAIR(S)) a->sum[A_CC] = _mm512_fmadd_ps(x1, x1, a->sum[A_CC]);
+}
+
+/* A block's lane sums into the row's float64 totals (both halves widened exactly). */
+static inline __attribute__((always_inline)) void vector_flush(const int S, vacc *a,
+                                                               totals *t) {
+    for (int f = 0; f < A_COUNT; f++) {
+        if (f == A_CC && !PAIR(S)) continue;
+        if ((f == A_DOT_EVD || f == A_EVEV) && !SEPARATE_VISIBLE(S)) continue;
+        __m512 x = a->sum[f];
+        __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+        __m512d hi = _mm512_cvtps_pd(
+            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+        t->sum[f] += _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+        a->sum[f] = _mm512_setzero_ps();
+    }
+}
+
+/* One vector of 16 elements (``k``: the lanes of a tail): the step, and with MEAS its
+ * lost-update terms (the step's stores are the same either way). */
 static inline __attribute__((always_inline)) void vector_block(
-    const int S, const int G32, const int SCALED, const vcoeffs *c, vrow r, int64_t i,
-    __mmask16 k) {
+    const int S, const int G32, const int SCALED, const int MEAS, const vcoeffs *c, vrow r,
+    int64_t i, __mmask16 k, vacc *a, totals *t) {
     /* flags as data, no branch: the sign to flip, the lanes (all or none) that decay, the
      * lerp formula chosen by a blend */
     __m512 g = G32 ? v_load_f32(r.g, i, k) : v_load_bf(r.g, i, k);
@@ -475,11 +692,15 @@ static inline __attribute__((always_inline)) void vector_block(
     __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c->bc2s), c->eps);
     __m512 u = _mm512_div_ps(_mm512_mul_ps(m, c->neg_step), den);
     void *wp = r.w, *xp = r.x;
-    __m512 W = _mm512_setzero_ps(), X = _mm512_setzero_ps();
-    __m512i w16 = _mm512_setzero_si512(), x16 = _mm512_setzero_si512();
+    /* W: the float32 weight the step reads; X: kahan's compensation, an MCF pair's lo;
+     * V: the visible bf16 weight (light, plus; mixed and split when measured) */
+    __m512 W = _mm512_setzero_ps(), X = _mm512_setzero_ps(), V = _mm512_setzero_ps();
     switch (S) {
     case S_FP32: W = v_load_f32(wp, i, k); break;
-    case S_MIXED: W = v_load_f32(xp, i, k); break;
+    case S_MIXED:
+        W = v_load_f32(xp, i, k);
+        if (MEAS) V = v_load_bf(wp, i, k);
+        break;
     case S_BF16:
     case S_STOCHASTIC: W = v_load_bf(wp, i, k); break;
     case S_KAHAN:
@@ -487,15 +708,26 @@ static inline __attribute__((always_inline)) void vector_block(
         X = v_load_bf(xp, i, k);
         break;
     case S_LIGHT:
-    case S_PLUS: W = _mm512_add_ps(v_load_bf(wp, i, k), v_load_bf(xp, i, k)); break;
-    case S_SPLIT:
-        w16 = _mm512_cvtepu16_epi32(v_load16(wp, i, k));
-        x16 = _mm512_cvtepu16_epi32(v_load16(xp, i, k));
+    case S_PLUS:
+        V = v_load_bf(wp, i, k);
+        X = v_load_bf(xp, i, k);
+        W = _mm512_add_ps(V, X);
+        break;
+    case S_SPLIT: { /* the bf16 weight and the low bits, zero-extended */
+        __m512i w16 = _mm512_cvtepu16_epi32(v_load16(wp, i, k));
+        __m512i x16 = _mm512_cvtepu16_epi32(v_load16(xp, i, k));
+        /* split_decode: (w - (low > 0x8000)) << 16 | low; the all-ones mask is -1 */
+        __m512i up = _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(x16, _mm512_set1_epi32(0x8000)));
+        W = _mm512_castsi512_ps(
+            _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(w16, up), 16), x16));
+        if (MEAS) V = _mm512_castsi512_ps(_mm512_slli_epi32(w16, 16));
         break;
     }
+    }
     vout o;
-    if (__builtin_expect(vector_land(S, 0, c, r, i, m, v, u, W, X, w16, x16, &o) != 0, 0))
-        vector_land(S, 1, c, r, i, m, v, u, W, X, w16, x16, &o);
+    if (__builtin_expect(vector_land(S, 0, c, r, i, m, v, u, W, X, &o) != 0, 0))
+        vector_land(S, 1, c, r, i, m, v, u, W, X, &o);
+    if (MEAS) vector_measure(S, c, k, u, W, V, X, &o, a, t);
     switch (S) {
     case S_FP32: v_store_f32(wp, i, k, o.w32); break;
     case S_MIXED:
@@ -518,9 +750,39 @@ static inline __attribute__((always_inline)) void vector_block(
     }
 }
 
+/* The vectors of [begin, end) in order; with MEAS, blocks of 16 * SUM_BLOCK elements
+ * (SUM_BLOCK terms per lane) flushed to float64, the row's sums written to ``out``. */
+static inline __attribute__((always_inline)) void vector_loop(
+    const int S, const int G32, const int SCALED, const int MEAS, const vcoeffs *c, vrow r,
+    int64_t begin, int64_t end, double *out) {
+    const __mmask16 full = (__mmask16)0xFFFF;
+    int64_t i = begin;
+    if (!MEAS) {
+        for (; i + 16 <= end; i += 16) vector_block(S, G32, SCALED, 0, c, r, i, full, NULL, NULL);
+        if (i < end)
+            vector_block(S, G32, SCALED, 0, c, r, i, (__mmask16)((1u << (end - i)) - 1u),
+                         NULL, NULL);
+        return;
+    }
+    totals t = {{0}, 0, 0, 0};
+    vacc a;
+    for (int f = 0; f < A_COUNT; f++) a.sum[f] = _mm512_setzero_ps();
+    for (; i + 16 * SUM_BLOCK <= end; i += 16 * SUM_BLOCK) {
+#pragma GCC unroll 1
+        for (int j = 0; j < 16 * SUM_BLOCK; j += 16)
+            vector_block(S, G32, SCALED, 1, c, r, i + j, full, &a, &t);
+        vector_flush(S, &a, &t);
+    }
+    for (; i + 16 <= end; i += 16) vector_block(S, G32, SCALED, 1, c, r, i, full, &a, &t);
+    if (i < end)
+        vector_block(S, G32, SCALED, 1, c, r, i, (__mmask16)((1u << (end - i)) - 1u), &a, &t);
+    vector_flush(S, &a, &t);
+    write_sums(S, &t, end - begin, out);
+}
+
 static inline __attribute__((always_inline)) void vector_range(
-    const int S, const int G32, int flags, const float *h, const int64_t *row,
-    int64_t begin, int64_t end) {
+    const int S, const int G32, const int MEAS, int flags, const float *h,
+    const int64_t *row, int64_t begin, int64_t end, double *out) {
     vcoeffs c;
     int small = (flags & F_LERP_SMALL) != 0;
     c.lerp = _mm512_set1_ps(small ? h[H_LERP] : h[H_LERP] - 1.0f);
@@ -537,16 +799,8 @@ static inline __attribute__((always_inline)) void vector_range(
     c.scale = _mm512_set1_ps(h[H_SCALE]);
     vrow r = {(void *)row[T_W], (void *)row[T_G], (void *)row[T_M], (void *)row[T_V],
               (void *)row[T_VLO], (void *)row[T_X], row[T_INDEX], row[T_KEY0], row[T_KEY1]};
-    int64_t i = begin;
-    if (flags & F_SCALED) {
-        for (; i + 16 <= end; i += 16) vector_block(S, G32, 1, &c, r, i, (__mmask16)0xFFFF);
-        if (i < end)
-            vector_block(S, G32, 1, &c, r, i, (__mmask16)((1u << (end - i)) - 1u));
-    } else {
-        for (; i + 16 <= end; i += 16) vector_block(S, G32, 0, &c, r, i, (__mmask16)0xFFFF);
-        if (i < end)
-            vector_block(S, G32, 0, &c, r, i, (__mmask16)((1u << (end - i)) - 1u));
-    }
+    if (flags & F_SCALED) vector_loop(S, G32, 1, MEAS, &c, r, begin, end, out);
+    else vector_loop(S, G32, 0, MEAS, &c, r, begin, end, out);
 }
 
 #define RANGE vector_range
@@ -560,19 +814,20 @@ static inline __attribute__((always_inline)) void vector_range(
 
 #define CASE(S)                                                                           \
     case S:                                                                               \
-        if (g32) RANGE(S, 1, flags, h, row, 0, row[T_N]);                                 \
-        else RANGE(S, 0, flags, h, row, 0, row[T_N]);                                     \
+        if (g32) RANGE(S, 1, MEAS, flags, h, row, 0, row[T_N], out);                      \
+        else RANGE(S, 0, MEAS, flags, h, row, 0, row[T_N], out);                          \
         break;
 
-/* Step ``count`` tensors (rows of ``table``, T_COLS int64 each) of one strategy with the
- * coefficients ``h`` (H_COUNT floats) and ``flags``. Returns 0, or -1 for an unknown
- * strategy (nothing written). */
-int collage_adamw(int strategy, int flags, int64_t count, const int64_t *table,
-                  const float *h) {
+/* every strategy's rows, MEAS constant (the measured and unmeasured loops are separate
+ * instantiations of the same per-element code) */
+static inline __attribute__((always_inline)) int run_rows(
+    const int MEAS, int strategy, int flags, int64_t count, const int64_t *table,
+    const float *h, double *sums) {
     if (strategy < S_FP32 || strategy > S_SPLIT) return -1;
     int g32 = (flags & F_GRAD_FP32) != 0;
     for (int64_t t = 0; t < count; t++) {
         const int64_t *row = table + t * T_COLS;
+        double *out = MEAS ? sums + t * M_COUNT : NULL;
         switch (strategy) {
             CASE(S_FP32)
             CASE(S_MIXED)
@@ -585,4 +840,19 @@ int collage_adamw(int strategy, int flags, int64_t count, const int64_t *table,
         }
     }
     return 0;
+}
+
+/* Step ``count`` tensors (rows of ``table``, T_COLS int64 each) of one strategy with the
+ * coefficients ``h`` (H_COUNT floats) and ``flags``. Returns 0, or -1 for an unknown
+ * strategy (nothing written). */
+int collage_adamw(int strategy, int flags, int64_t count, const int64_t *table,
+                  const float *h) {
+    return run_rows(0, strategy, flags, count, table, h, NULL);
+}
+
+/* collage_adamw, bit for bit, that also writes each row's lost-update sums: ``sums`` holds
+ * ``count`` x M_COUNT doubles (collage.metrics.FIELDS order), overwritten. */
+int collage_adamw_measured(int strategy, int flags, int64_t count, const int64_t *table,
+                           const float *h, double *sums) {
+    return run_rows(1, strategy, flags, count, table, h, sums);
 }

@@ -1,5 +1,11 @@
 """Measured steps on the fused path: the step and its lost-update sums in one compiled call.
 
+On CPU, groups the native kernels cover (``native.covers``: AdamW, the eight 16-bit
+strategies) never get here: ``fused.step_group`` measures them with the native measured
+kernel (``native.adamw(..., sums=...)``), with the semantics of the CPU kernel below, also
+on the default path (``fused=None``). This module serves the rest: CUDA, SGD and Lion,
+``plus8``, fp16 weights, and CPU where no C compiler is found.
+
 A measured step needs, per tensor, the represented value before and after, the visible
 weight before and after, and the intended update. Materialising those in float64 costs
 about 40 bytes per parameter of extra traffic; here they live only in registers: the
@@ -122,6 +128,7 @@ def step_group_tracked(optimizer, index: int, group: dict, strategy, items, grad
     if optimizer._path(group, device) != "fused" or not fused.available():
         return False
     rule = optimizer.rule
+    optimizer._fused_backend = "inductor"
     scaled, maximize = grad_scale is not None, bool(group.get("maximize", False))
     blocked = _blocked(device, strategy)
     compiled, eager = _kernel(rule, strategy, scaled, maximize, blocked)
