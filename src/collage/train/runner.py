@@ -488,7 +488,9 @@ def train_strategy(
             elapsed_train += dt
             stats = getattr(opt, "update_stats", None)
             tracked = stats is not stats_before and bool(stats)  # a new dict: measured
-            if not tracked and step > 0:  # throughput without measurement overhead/warm-up
+            # throughput without measurement overhead (EDQ, the memory probe's profiler) or
+            # the first step's warm-up
+            if not tracked and step > 0 and step != probe_step:
                 tokens_timed += tokens_per_step
                 time_timed += dt
 
@@ -535,7 +537,7 @@ def train_strategy(
     elif device.type == "cuda":
         peak, measured = torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
         step_peak = None
-    else:  # resumed past the probed step
+    else:  # a resumed call that ran no step
         peak, measured, step_peak = peak_rss_bytes(), "process_peak_rss", None
     finite = [v for v in history["edq"] if math.isfinite(v)]
     summary = {
