@@ -35,6 +35,7 @@ from collage.metrics.stats import BLOCK
 from collage.optim import fused, get_strategy, kernels, native
 
 from .test_native import RULE, _assert_same_bits, _nan_master, _values
+from .test_native import calls  # noqa: F401 (the fixture: native.adamw's calls, measured or not)
 
 pytestmark = pytest.mark.skipif(
     native._compiler() is None, reason="no C compiler: the native kernels cannot be built")
@@ -319,20 +320,6 @@ def test_optimizer_reports_the_reference_metrics(strategy, calls) -> None:
         for (_, p), (_, q) in zip(named, twin):
             _assert_same_bits(p.detach(), q.detach(), f"step {step} weight")
     assert opt._fused_backend == "native" and set(calls) == {strategy}
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    """The strategies native.adamw was called with, measured or not."""
-    seen: list[str] = []
-    original = native.adamw
-
-    def spy(strategy, *args, **kwargs):
-        seen.append(strategy)
-        return original(strategy, *args, **kwargs)
-
-    monkeypatch.setattr(native, "adamw", spy)
-    return seen
 
 
 @pytest.mark.parametrize("strategy", ("bf16", "light", "plus", "mixed", "split"))

@@ -72,12 +72,6 @@ def _flat_views(param, grad, state):
 EAGER_CHUNK = 1 << 16
 
 
-def _chunkable(param, grad, state) -> bool:
-    tensors = [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return param.numel() > EAGER_CHUNK and all(
-        t.is_contiguous() for t in (param, grad, *tensors))
-
-
 def _state_range(key: str, value, start: int, stop: int):
     """The slice of a flat state entry that holds elements ``start:stop``: per-element
     tensors by element, plus8's per-block scales by block, the 0-d step as is."""
@@ -390,10 +384,9 @@ class CollageOptimizer(Optimizer):
                                          kernels.state_dtype(strategy, local_param.dtype))
             intended = kernels.reference_step(self.rule, strategy, local_param, grad_lp,
                                               local_state, coeffs, generator, stats is not None)
-        elif path == "foreach" and stats is None and _chunkable(local_param, local_grad,
-                                                                local_state):
-            self._fast_step_in_chunks(strategy, group, local_param, local_grad, local_state,
-                                      coeffs, generator, grad_scale)
+        elif path == "foreach" and stats is None and local_param.numel() > EAGER_CHUNK and (
+                flat := _flat_views(local_param, local_grad, local_state)) is not None:
+            self._fast_step_in_chunks(strategy, group, *flat, coeffs, generator, grad_scale)
             intended = None
         else:
             grad32 = self._prepare_grad(local_grad, group, grad_scale, torch.float32)
@@ -407,9 +400,10 @@ class CollageOptimizer(Optimizer):
                       visible_before=visible_before, visible_after=local_param,
                       compensation=kernels.compensation_of(strategy, local_state))
 
-    def _fast_step_in_chunks(self, strategy, group, param, grad, state, coeffs, generator,
-                             grad_scale) -> None:
-        """The eager float32 step over ranges of at most ``EAGER_CHUNK`` elements.
+    def _fast_step_in_chunks(self, strategy, group, flat_param, flat_grad, flat_state, coeffs,
+                             generator, grad_scale) -> None:
+        """The eager float32 step of flat views (``_flat_views``) over ranges of at most
+        ``EAGER_CHUNK`` elements.
 
         Each range's float32 temporaries (the loaded weight and moments, the update, the
         unscaled gradient) live only while it is stepped, so a step holds at most a few MB
@@ -419,10 +413,7 @@ class CollageOptimizer(Optimizer):
         boundaries (a multiple of ``eight_bit.BLOCK``) and its keyed draws are indexed by
         the element's position in the whole tensor.
         """
-        n = param.numel()
-        flat_param, flat_grad = param.view(-1), grad.view(-1)
-        flat_state = {k: v.view(-1) if isinstance(v, torch.Tensor) and v.dim() else v
-                      for k, v in state.items()}
+        n = flat_param.numel()
         for start in range(0, n, EAGER_CHUNK):
             stop = min(start + EAGER_CHUNK, n)
             part = {k: _state_range(k, v, start, stop) for k, v in flat_state.items()}
