@@ -387,6 +387,7 @@ static inline __attribute__((always_inline)) void scalar_range(
 typedef struct {
     __m512 lerp, beta2, omb2, bc2s, eps, neg_step, decay, lr_wd, scale;
     __m512i sign;          /* 0x80000000 to negate the gradient (maximize), else 0 */
+    __m512i interleave;    /* v_round2: words [even 16 | odd 16] -> element order */
     __mmask16 small, decays; /* all lanes or none: lerp weight < 0.5; decay != 1 */
 } vcoeffs;
 
@@ -479,17 +480,23 @@ static inline __m512i v_mix32(__m512i x) {
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-static inline __m512 v_uniform(int64_t first, int64_t key0, int64_t key1) {
-    __m512i index = _mm512_add_epi32(
-        _mm512_set1_epi32((int)(uint32_t)first),
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+/* fused.counter_uniform of the elements ``first + offsets`` */
+static inline __m512 v_uniform_at(int64_t first, __m512i offsets, int64_t key0, int64_t key1) {
+    __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)first), offsets);
     __m512i hsh = v_mix32(_mm512_xor_si512(index, _mm512_set1_epi32((int)(uint32_t)key0)));
     hsh = v_mix32(_mm512_xor_si512(hsh, _mm512_set1_epi32((int)(uint32_t)key1)));
     __m512i top = _mm512_srli_epi32(hsh, 8);
     return _mm512_mul_ps(_mm512_cvtepi32_ps(top), _mm512_set1_ps(0x1p-24f));
 }
 
-static inline __attribute__((always_inline)) __m256i v_stochastic(
+static inline __m512 v_uniform(int64_t first, int64_t key0, int64_t key1) {
+    return v_uniform_at(
+        first, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        key0, key1);
+}
+
+/* bf_stochastic on 16 lanes: the 16-bit results in the low halves of the int32 lanes */
+static inline __attribute__((always_inline)) __m512i v_stochastic32(
     __m512 x, __m512 draw, const int exact, __mmask16 *bad) {
     __m512 zero = _mm512_setzero_ps();
     __m512 nearest = v_widen(v_round(x, exact, bad));
@@ -518,7 +525,12 @@ static inline __attribute__((always_inline)) __m256i v_stochastic(
                      & _mm512_cmp_ps_mask(error, zero, _CMP_NEQ_OQ)
                      & v_finite(spacing) & finite;
     __m512 out = _mm512_mask_mov_ps(nearest, take, neighbour);
-    return v_narrow(_mm512_srli_epi32(_mm512_castps_si512(out), 16));
+    return _mm512_srli_epi32(_mm512_castps_si512(out), 16);
+}
+
+static inline __attribute__((always_inline)) __m256i v_stochastic(
+    __m512 x, __m512 draw, const int exact, __mmask16 *bad) {
+    return v_narrow(v_stochastic32(x, draw, exact, bad));
 }
 
 /* One table row in locals: intrinsic stores may alias anything, so pointers read from the
@@ -666,16 +678,26 @@ static inline __attribute__((always_inline)) void vector_flush(const int S, vacc
     }
 }
 
+/* The AdamW step of 16 lanes from the gradient ``g``: ``m`` and ``v`` updated in place,
+ * the update u returned (the header's formulas, in its order). */
+static inline __attribute__((always_inline)) __m512 v_adam(const int SCALED, const vcoeffs *c,
+                                                           __m512 g, __m512 *m, __m512 *v) {
+    if (SCALED) g = _mm512_div_ps(g, c->scale);
+    /* flags as data, no branch: the sign to flip, the lerp formula chosen by a blend */
+    g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), c->sign));
+    /* lerp: fma(w, g - m, m) when w < 0.5, else fma(w - 1, g - m, g) */
+    *m = _mm512_fmadd_ps(c->lerp, _mm512_sub_ps(g, *m), _mm512_mask_blend_ps(c->small, g, *m));
+    *v = _mm512_fmadd_ps(_mm512_mul_ps(g, c->omb2), g, _mm512_mul_ps(*v, c->beta2));
+    __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(*v), c->bc2s), c->eps);
+    return _mm512_div_ps(_mm512_mul_ps(*m, c->neg_step), den);
+}
+
 /* One vector of 16 elements (``k``: the lanes of a tail): the step, and with MEAS its
  * lost-update terms (the step's stores are the same either way). */
 static inline __attribute__((always_inline)) void vector_block(
     const int S, const int G32, const int SCALED, const int MEAS, const vcoeffs *c, vrow r,
     int64_t i, __mmask16 k, vacc *a, totals *t) {
-    /* flags as data, no branch: the sign to flip, the lanes (all or none) that decay, the
-     * lerp formula chosen by a blend */
     __m512 g = G32 ? v_load_f32(r.g, i, k) : v_load_bf(r.g, i, k);
-    if (SCALED) g = _mm512_div_ps(g, c->scale);
-    g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), c->sign));
     __m512 m, v;
     if (S == S_FP32 || S == S_MIXED) {
         m = v_load_f32(r.m, i, k);
@@ -686,11 +708,7 @@ static inline __attribute__((always_inline)) void vector_block(
         if (S == S_PLUS || S == S_SPLIT)
             v = _mm512_add_ps(v, v_load_bf(r.vlo, i, k));
     }
-    /* lerp: fma(w, g - m, m) when w < 0.5, else fma(w - 1, g - m, g) */
-    m = _mm512_fmadd_ps(c->lerp, _mm512_sub_ps(g, m), _mm512_mask_blend_ps(c->small, g, m));
-    v = _mm512_fmadd_ps(_mm512_mul_ps(g, c->omb2), g, _mm512_mul_ps(v, c->beta2));
-    __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c->bc2s), c->eps);
-    __m512 u = _mm512_div_ps(_mm512_mul_ps(m, c->neg_step), den);
+    __m512 u = v_adam(SCALED, c, g, &m, &v);
     void *wp = r.w, *xp = r.x;
     /* W: the float32 weight the step reads; X: kahan's compensation, an MCF pair's lo;
      * V: the visible bf16 weight (light, plus; mixed and split when measured) */
@@ -750,6 +768,198 @@ static inline __attribute__((always_inline)) void vector_block(
     }
 }
 
+/* ------------------------------------------------------------------------------------ */
+/* 32 elements at a time (unmeasured steps of the bf16-weight strategies, bf16 gradients) */
+/* ------------------------------------------------------------------------------------ */
+
+/* Why: the element order within a step is free (every element's operations are its own),
+ * so one 64-byte load of 32 bf16 values is split into its even and odd elements with one
+ * operation each instead of a zero-extension and a shift per 16: the even words moved to
+ * the high halves of the int32 lanes (x << 16), the odd ones masked in place. Results are
+ * packed back in element order by a word blend (or, rounded in one vcvtne2ps2bf16, by a
+ * word permutation). The float32 operations of each element are those of vector_block,
+ * so the results are bit for bit the same. */
+typedef struct {
+    __m512 e, o; /* even and odd elements, float32 */
+} vpair;
+
+static inline vpair v_split(__m512i x) {
+    vpair p = {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
+               _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)))};
+    return p;
+}
+
+static inline __attribute__((always_inline)) vpair v_load_pair(const void *p, int64_t i) {
+    return v_split(_mm512_loadu_si512((const uint16_t *)p + i));
+}
+
+static inline __attribute__((always_inline)) void v_store_words(void *p, int64_t i,
+                                                                __m512i x) {
+    _mm512_storeu_si512((uint16_t *)p + i, x);
+}
+
+/* 16-bit results in the low halves of the int32 lanes of the even and odd elements, in
+ * element order (high halves ignored) */
+static inline __m512i v_pack(__m512i e, __m512i o) {
+    return _mm512_mask_blend_epi16((__mmask32)0xAAAAAAAAu, e, _mm512_slli_epi32(o, 16));
+}
+
+/* v_round of 32 elements, packed in element order */
+static inline __attribute__((always_inline)) __m512i v_round2(const vcoeffs *c, vpair x,
+                                                              const int exact,
+                                                              __mmask16 *bad) {
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+    if (!exact) {
+        *bad |= _mm512_fpclass_ps_mask(x.e, 0x01 | 0x20 | 0x80)
+                | _mm512_fpclass_ps_mask(x.o, 0x01 | 0x20 | 0x80);
+        /* words 0-15: the even elements, 16-31: the odd ones */
+        __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(x.o, x.e);
+        return _mm512_permutexvar_epi16(c->interleave, halves);
+    }
+#else
+    (void)c;
+    (void)exact;
+    (void)bad;
+#endif
+    return v_pack(v_round32(x.e), v_round32(x.o));
+}
+
+/* the low parts fl(x - hi) where hi is finite, else +0, of 32 elements, rounded and packed */
+static inline __attribute__((always_inline)) __m512i v_residual2(const vcoeffs *c, vpair x,
+                                                                 vpair hi, const int exact,
+                                                                 __mmask16 *bad) {
+    vpair r = {_mm512_maskz_sub_ps(v_finite(hi.e), x.e, hi.e),
+               _mm512_maskz_sub_ps(v_finite(hi.o), x.o, hi.o)};
+    return v_round2(c, r, exact, bad);
+}
+
+static inline __m512 v_decayed(const vcoeffs *c, __m512 W, __m512 u) {
+    return _mm512_add_ps(_mm512_mask_mul_ps(W, c->decays, W, c->decay), u);
+}
+
+typedef struct {
+    __m512i w, x, m, v, vlo; /* packed 16-bit outputs */
+} vout2;
+
+/* vector_land for 32 elements: the same operations per element */
+static inline __attribute__((always_inline)) __mmask16 pair_land(
+    const int S, const int exact, const vcoeffs *c, vrow r, int64_t i, vpair m, vpair v,
+    vpair u, vpair W, vpair X, vout2 *o) {
+    __mmask16 bad = 0;
+    switch (S) {
+    case S_BF16: {
+        vpair nw = {v_decayed(c, W.e, u.e), v_decayed(c, W.o, u.o)};
+        o->w = v_round2(c, nw, exact, &bad);
+        break;
+    }
+    case S_STOCHASTIC: {
+        __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                         28, 30);
+        __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        __m512i e = v_stochastic32(v_decayed(c, W.e, u.e),
+                                   v_uniform_at(r.index + i, even, r.key0, r.key1), exact,
+                                   &bad);
+        __m512i od = v_stochastic32(v_decayed(c, W.o, u.o),
+                                    v_uniform_at(r.index + i, odd, r.key0, r.key1), exact,
+                                    &bad);
+        o->w = v_pack(e, od);
+        break;
+    }
+    case S_KAHAN: { /* X: the compensation; see vector_land */
+        __m512 zero = _mm512_setzero_ps();
+        __m512 be = _mm512_maskz_mul_ps(c->decays, _mm512_sub_ps(zero, W.e), c->lr_wd);
+        __m512 bo = _mm512_maskz_mul_ps(c->decays, _mm512_sub_ps(zero, W.o), c->lr_wd);
+        vpair corrected = {_mm512_add_ps(_mm512_add_ps(be, u.e), X.e),
+                           _mm512_add_ps(_mm512_add_ps(bo, u.o), X.o)};
+        vpair sum = {_mm512_add_ps(W.e, corrected.e), _mm512_add_ps(W.o, corrected.o)};
+        o->w = v_round2(c, sum, exact, &bad);
+        vpair hf = v_split(o->w);
+        vpair lost = {_mm512_maskz_sub_ps(v_finite(hf.e), corrected.e,
+                                          _mm512_sub_ps(hf.e, W.e)),
+                      _mm512_maskz_sub_ps(v_finite(hf.o), corrected.o,
+                                          _mm512_sub_ps(hf.o, W.o))};
+        o->x = v_round2(c, lost, exact, &bad);
+        break;
+    }
+    case S_LIGHT:
+    case S_PLUS: {
+        vpair nw = {v_decayed(c, W.e, u.e), v_decayed(c, W.o, u.o)};
+        o->w = v_round2(c, nw, exact, &bad);
+        o->x = v_residual2(c, nw, v_split(o->w), exact, &bad);
+        break;
+    }
+    case S_SPLIT: { /* split_encode; see vector_land */
+        __m512i half = _mm512_set1_epi32(0x8000), low = _mm512_set1_epi32(0xFFFF);
+        __m512i be = _mm512_castps_si512(v_decayed(c, W.e, u.e));
+        __m512i bo = _mm512_castps_si512(v_decayed(c, W.o, u.o));
+        __m512i le = _mm512_and_si512(be, low), lo = _mm512_and_si512(bo, low);
+        __m512i te = _mm512_sub_epi32(_mm512_srli_epi32(be, 16),
+                                      _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(le, half)));
+        __m512i to = _mm512_sub_epi32(_mm512_srli_epi32(bo, 16),
+                                      _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(lo, half)));
+        o->w = v_pack(te, to);
+        o->x = v_pack(le, lo);
+        break;
+    }
+    }
+    o->m = v_round2(c, m, exact, &bad);
+    o->v = v_round2(c, v, exact, &bad);
+    if (S == S_PLUS || S == S_SPLIT) o->vlo = v_residual2(c, v, v_split(o->v), exact, &bad);
+    return bad;
+}
+
+/* vector_block for 32 elements: unmeasured, bf16 gradient, a bf16-weight strategy */
+static inline __attribute__((always_inline)) void pair_block(const int S, const int SCALED,
+                                                             const vcoeffs *c, vrow r,
+                                                             int64_t i) {
+    vpair g = v_load_pair(r.g, i), m = v_load_pair(r.m, i), v = v_load_pair(r.v, i);
+    if (S == S_PLUS || S == S_SPLIT) {
+        vpair lo = v_load_pair(r.vlo, i);
+        v.e = _mm512_add_ps(v.e, lo.e);
+        v.o = _mm512_add_ps(v.o, lo.o);
+    }
+    vpair u = {v_adam(SCALED, c, g.e, &m.e, &v.e), v_adam(SCALED, c, g.o, &m.o, &v.o)};
+    vpair W, X = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    switch (S) {
+    case S_BF16:
+    case S_STOCHASTIC: W = v_load_pair(r.w, i); break;
+    case S_KAHAN:
+        W = v_load_pair(r.w, i);
+        X = v_load_pair(r.x, i);
+        break;
+    case S_LIGHT:
+    case S_PLUS: {
+        vpair hi = v_load_pair(r.w, i);
+        X = v_load_pair(r.x, i);
+        W.e = _mm512_add_ps(hi.e, X.e);
+        W.o = _mm512_add_ps(hi.o, X.o);
+        break;
+    }
+    default: { /* S_SPLIT: split_decode of the even and odd words, as in vector_block */
+        __m512i low = _mm512_set1_epi32(0xFFFF), half = _mm512_set1_epi32(0x8000);
+        __m512i wp = _mm512_loadu_si512((const uint16_t *)r.w + i);
+        __m512i xp = _mm512_loadu_si512((const uint16_t *)r.x + i);
+        __m512i we = _mm512_and_si512(wp, low), wo = _mm512_srli_epi32(wp, 16);
+        __m512i xe = _mm512_and_si512(xp, low), xo = _mm512_srli_epi32(xp, 16);
+        __m512i ue = _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(xe, half));
+        __m512i uo = _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(xo, half));
+        W.e = _mm512_castsi512_ps(
+            _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(we, ue), 16), xe));
+        W.o = _mm512_castsi512_ps(
+            _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(wo, uo), 16), xo));
+        break;
+    }
+    }
+    vout2 o;
+    if (__builtin_expect(pair_land(S, 0, c, r, i, m, v, u, W, X, &o) != 0, 0))
+        pair_land(S, 1, c, r, i, m, v, u, W, X, &o);
+    v_store_words(r.w, i, o.w);
+    if (S != S_BF16 && S != S_STOCHASTIC) v_store_words(r.x, i, o.x);
+    v_store_words(r.m, i, o.m);
+    v_store_words(r.v, i, o.v);
+    if (S == S_PLUS || S == S_SPLIT) v_store_words(r.vlo, i, o.vlo);
+}
+
 /* The vectors of [begin, end) in order; with MEAS, blocks of 16 * SUM_BLOCK elements
  * (SUM_BLOCK terms per lane) flushed to float64, the row's sums written to ``out``. */
 static inline __attribute__((always_inline)) void vector_loop(
@@ -758,6 +968,8 @@ static inline __attribute__((always_inline)) void vector_loop(
     const __mmask16 full = (__mmask16)0xFFFF;
     int64_t i = begin;
     if (!MEAS) {
+        if (!G32 && S != S_FP32 && S != S_MIXED)
+            for (; i + 32 <= end; i += 32) pair_block(S, SCALED, c, r, i);
         for (; i + 16 <= end; i += 16) vector_block(S, G32, SCALED, 0, c, r, i, full, NULL, NULL);
         if (i < end)
             vector_block(S, G32, SCALED, 0, c, r, i, (__mmask16)((1u << (end - i)) - 1u),
@@ -789,6 +1001,10 @@ static inline __attribute__((always_inline)) void vector_range(
     c.small = small ? (__mmask16)0xFFFF : 0;
     c.decays = (flags & F_DECAY) ? (__mmask16)0xFFFF : 0;
     c.sign = _mm512_set1_epi32((flags & F_MAXIMIZE) ? (int)0x80000000u : 0);
+    /* word j of the result: word (j & 1) * 16 + j / 2 of [even 16 | odd 16] */
+    c.interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                    24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                    16, 0);
     c.beta2 = _mm512_set1_ps(h[H_BETA2]);
     c.omb2 = _mm512_set1_ps(h[H_OMB2]);
     c.bc2s = _mm512_set1_ps(h[H_BC2S]);
