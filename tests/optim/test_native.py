@@ -74,6 +74,10 @@ CASES = (
                                    "maximize": True}),
     Case("grad_scaler", {"lr": 1e-3, "weight_decay": 0.1, "eps": 1e-6}, scale=65536.0),
     Case("nonfinite", {"lr": 1e-2, "weight_decay": 0.1}, data="nonfinite"),
+    # beta2 = 0: the bias correction's square root is 1.0f from the first step (as late in
+    # any run), where the kernels skip the division by it
+    Case("bias_correction_one", {"lr": 1e-2, "betas": (0.9, 0.0), "weight_decay": 0.1},
+         data="nonfinite"),
 )
 
 #: many small tensors, tails of every length, one larger (several vectors and a tail)
