@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from collage.bench import common
 from collage.cli import main
@@ -73,3 +74,47 @@ def test_bench_train_smoke(capsys):
                                                      rel=0.001)
     assert {c["check"] for c in result["checks"]} == {
         "plus tokens/s >= autocast tokens/s", "plus peak memory <= 0.85 x autocast"}
+
+
+def _late_params():
+    params = [torch.nn.Parameter(torch.randn(40).bfloat16()) for _ in range(2)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return params
+
+
+@pytest.mark.parametrize("maker", ["torch", "collage", "optimi"])
+def test_start_step_sets_every_step_counter(maker):
+    """--start-step: the next step of every optimizer kind is step N + 1."""
+    from collage.bench import optimizer as bench
+
+    if maker == "optimi":
+        pytest.importorskip("optimi")
+    make = {"torch": bench._torch(False), "collage": bench._collage("plus", "foreach"),
+            "optimi": bench._optimi_kahan}[maker]
+    params = _late_params()
+    step = make(params)
+    step()
+    assert bench._set_step_counter(step, 20_000)
+    step()
+    opt = bench._optimizer_of(step)
+    counters = [s["step"] for s in opt.state.values() if "step" in s] + \
+        [g["step"] for g in opt.param_groups if "step" in g]
+    assert counters and all(int(c) == 20_001 for c in counters)
+
+
+def test_start_step_without_an_optimizer_is_reported():
+    from collage.bench import optimizer as bench
+
+    assert bench._set_step_counter(lambda: None, 5) is False
+
+
+def test_bench_optimizer_start_step_json(capsys):
+    code = main(["bench", "optimizer", "--size", "small", "--repeats", "1", "--json",
+                 "--strategies", "light", "--paths", "fused", "--baselines", "",
+                 "--warmup", "1", "--min-time", "0", "--start-step", "20000"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["settings"]["start_step"] == 20000
+    rows = [r for r in result["sizes"][0]["rows"] if r["key"].startswith("collage")]
+    assert rows and all(r["start_step"] == 20000 for r in rows)

@@ -217,6 +217,31 @@ class _Probes:
         self.a.add_(self.b)  # 12 bytes per element: read a and b, write a (in place)
 
 
+def _optimizer_of(step) -> torch.optim.Optimizer | None:
+    """The optimizer behind a candidate's ``step`` (a bound ``opt.step`` or our closure)."""
+    opt = getattr(step, "optimizer", None) or getattr(step, "__self__", None)
+    return opt if isinstance(opt, torch.optim.Optimizer) else None
+
+
+def _set_step_counter(step, value: int) -> bool:
+    """Set every step counter of the optimizer behind ``step`` (per-parameter
+    ``state["step"]``: torch, collage, torchao; per-group ``group["step"]``: optimi) to
+    ``value``, so that the timed steps see the bias corrections of step ``value + 1``.
+    False when no counter was found (the row then says so)."""
+    opt = _optimizer_of(step)
+    if opt is None:
+        return False
+    holders = [s for s in opt.state.values() if "step" in s] + \
+        [g for g in opt.param_groups if "step" in g]
+    for holder in holders:
+        counter = holder["step"]
+        if isinstance(counter, torch.Tensor):
+            counter.fill_(value)
+        else:
+            holder["step"] = type(counter)(value)
+    return bool(holders)
+
+
 def _log(quiet: bool, *args) -> None:
     if not quiet:
         print(*args, file=sys.stderr, flush=True)
@@ -224,7 +249,8 @@ def _log(quiet: bool, *args) -> None:
 
 def measure_size(size: str, rows: list[Candidate], *, repeats: int, warmup: int,
                  device: torch.device, foreach_max: int, reference_max: int,
-                 slow_repeats: int, quiet: bool, min_time: float = 0.5) -> dict:
+                 slow_repeats: int, quiet: bool, min_time: float = 0.5,
+                 start_step: int = 0) -> dict:
     shapes = common.gpt_shapes(size)
     n = common.n_params(size)
     timed = _timer(device)
@@ -236,6 +262,8 @@ def measure_size(size: str, rows: list[Candidate], *, repeats: int, warmup: int,
         base_step()
         probes.copy()
         probes.add()
+    if start_step:
+        _set_step_counter(base_step, start_step)
     out_rows = []
     samples = {"baseline": [], "copy": [], "add": []}
     for cand in rows:
@@ -246,6 +274,7 @@ def measure_size(size: str, rows: list[Candidate], *, repeats: int, warmup: int,
         step = cand.make(params)
         started = time.perf_counter()
         first, _ = timed(step)  # includes compilation (in-process; FX graph cache on disk)
+        counted = _set_step_counter(step, start_step) if start_step else None
         backend = getattr(getattr(step, "optimizer", None), "_fused_backend", None) \
             if cand.path == "fused" else None
         warm = [timed(step)[0] for _ in range(max(warmup - 1, 0))]
@@ -278,6 +307,7 @@ def measure_size(size: str, rows: list[Candidate], *, repeats: int, warmup: int,
         row = {
             "size": size, "n_params": n, "key": cand.key, "label": cand.label,
             "path": cand.path, "strategy": cand.strategy, "backend": backend,
+            "start_step": (start_step if counted else None) if start_step else 0,
             "bytes_per_param": nbytes, "first_step_s": first, "repeats": reps, "time_s": t,
             "cpu_time_median_s": statistics.median(cpus),
             "ns_per_param": {k: t[k] / n * 1e9 for k in ("median", "p90")},
@@ -444,8 +474,10 @@ def table(result: dict) -> str:
         lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in block["rows"]:
             t = r["time_s"]
+            # a step counter --start-step could not set: this row timed a fresh optimizer
+            late = " (fresh: no step counter found)" if r.get("start_step", 0) is None else ""
             lines.append(
-                f"| {r['label']} | {r['bytes_per_param']} | {_fmt_ms(t['median'])} | "
+                f"| {r['label']}{late} | {r['bytes_per_param']} | {_fmt_ms(t['median'])} | "
                 f"{_fmt_ms(t['p90'])} | {r['ns_per_param']['median']:.3g} | "
                 f"{r['GBps']:.2f} | {100 * r['roofline_fraction']:.0f}% | "
                 f"{r['speedup_vs_torch_fused']:.3g} | {r['speedup_vs_torch_fused_cpu']:.3g} |")
@@ -478,6 +510,7 @@ def table(result: dict) -> str:
 
 def markdown(result: dict) -> str:
     env = result["environment"]
+    start = result["settings"].get("start_step", 0)
     head = [
         f"# Optimizer step benchmark: {env['cpu']}, {env['cores']} cores, {env['date']}",
         "",
@@ -488,6 +521,9 @@ def markdown(result: dict) -> str:
         "Command: `collage bench optimizer " + " ".join(result["settings"]["argv"]) + "`",
         "",
     ]
+    if start:
+        head += [f"Timed steps follow step {start} (step counters set after the first step): "
+                 "the bias corrections of late training.", ""]
     return "\n".join(head) + table(result)
 
 
@@ -540,6 +576,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "it takes ~10 s per million parameters)")
     p.add_argument("--slow-repeats", type=int, default=2,
                    help="timed steps of the foreach and reference paths (default 2)")
+    p.add_argument("--start-step", type=int, default=0, metavar="N",
+                   help="time the steps after step N (every optimizer's step counters set "
+                        "to N after its first step): the bias corrections of late training, "
+                        "where the native kernels skip a division (default 0: fresh "
+                        "optimizers)")
     p.add_argument("--compile-cost", action="store_true",
                    help="also time the first fused step in fresh processes with a cold and a "
                         "warm inductor cache")
@@ -563,6 +604,8 @@ def _command(args: argparse.Namespace) -> list[str]:
         words.append(f"--baselines {args.baselines}")
     words += [f"--foreach-max {args.foreach_max:g}", f"--reference-max {args.reference_max:g}",
               f"--slow-repeats {args.slow_repeats}"]
+    if args.start_step:
+        words.append(f"--start-step {args.start_step}")
     if args.compile_cost:
         words.append("--compile-cost")
     if args.threads:
@@ -579,6 +622,8 @@ def cmd_optimizer(args: argparse.Namespace) -> int:
         raise UsageError("--repeats and --slow-repeats must be at least 1")
     if args.warmup < 1:
         raise UsageError("--warmup must be at least 1 (the first step compiles)")
+    if args.start_step < 0:
+        raise UsageError("--start-step must be at least 0")
     if args.threads is not None:
         if args.threads < 1:
             raise UsageError("--threads must be at least 1")
@@ -590,7 +635,7 @@ def cmd_optimizer(args: argparse.Namespace) -> int:
                  repeats=args.repeats, warmup=args.warmup, device=device,
                  foreach_max=int(args.foreach_max), reference_max=int(args.reference_max),
                  slow_repeats=args.slow_repeats, compile_probe=args.compile_cost,
-                 min_time=args.min_time,
+                 min_time=args.min_time, start_step=args.start_step,
                  quiet=args.quiet or args.json, argv=_command(args))
     if args.markdown:
         with open(args.markdown, "w") as handle:
@@ -605,7 +650,7 @@ def cmd_optimizer(args: argparse.Namespace) -> int:
 def run(*, sizes=DEFAULT_SIZES, strategies=STRATEGIES, paths=PATHS, baselines=BASELINES,
         repeats=5, warmup=2, device=torch.device("cpu"), foreach_max=2_000_000,
         reference_max=200_000, slow_repeats=2, compile_probe=False, quiet=True,
-        argv=(), min_time=0.5) -> dict:
+        argv=(), min_time=0.5, start_step=0) -> dict:
     """Run the benchmark; returns the JSON-able result."""
     rows = candidates(strategies, paths, baselines)
     env = common.environment()
@@ -614,7 +659,7 @@ def run(*, sizes=DEFAULT_SIZES, strategies=STRATEGIES, paths=PATHS, baselines=BA
         "settings": {"sizes": list(sizes), "repeats": repeats, "warmup": warmup,
                      "slow_repeats": slow_repeats, "foreach_max": foreach_max,
                      "reference_max": reference_max, "device": str(device),
-                     "min_time": min_time,
+                     "min_time": min_time, "start_step": start_step,
                      "argv": list(argv), "lr": LR, "betas": BETAS, "eps": EPS,
                      "weight_decay": WEIGHT_DECAY},
         "bytes_per_param": {k: {"read": b.read, "write": b.write, "total": b.total,
@@ -627,7 +672,8 @@ def run(*, sizes=DEFAULT_SIZES, strategies=STRATEGIES, paths=PATHS, baselines=BA
         result["sizes"].append(measure_size(
             size, rows, repeats=repeats, warmup=warmup, device=device,
             foreach_max=foreach_max, reference_max=reference_max,
-            slow_repeats=slow_repeats, quiet=quiet, min_time=min_time))
+            slow_repeats=slow_repeats, quiet=quiet, min_time=min_time,
+            start_step=start_step))
     if compile_probe:
         fused = [s for s in strategies] if "fused" in paths else []
         if fused:
