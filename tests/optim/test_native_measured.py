@@ -241,6 +241,41 @@ def test_threads_and_portable_build_give_the_same_step_and_sums(strategy, monkey
             _assert_sums(got[i], want, absolute, f"{name}: tensor {i}")
 
 
+#: above 3 x the C side's 65,536-element minimum per thread; the cuts fall inside tensors
+OPENMP_SIZES = (70001, 1, 65600, 33, 100003)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_openmp_threads_give_the_same_step(strategy) -> None:
+    """Unmeasured calls of an OpenMP build split the rows in C (3 threads: cuts inside
+    tensors, moved to multiples of 64 elements): the bits of one thread, stochastic's draws
+    included (each is keyed by its element's index in its tensor)."""
+    lib = native._load()
+    if lib is None or not lib.collage_native_openmp():
+        pytest.skip("the native library was built without OpenMP")
+    case = CASES[0]
+    one = [_tensors(strategy, case, n, 40 + i) for i, n in enumerate(OPENMP_SIZES)]
+    three = [_copy(*t) for t in one]
+    _native(strategy, case, one, False, threads=1)
+    _native(strategy, case, three, False, threads=3)
+    _assert_same_step(strategy, three, one, "3 OpenMP threads vs 1")
+
+
+def test_openmp_build_shares_torchs_runtime() -> None:
+    """Where torch runs on GNU OpenMP, the library binds to torch's libgomp (one runtime,
+    one set of threads), as native.info() reports."""
+    lib = native._load()
+    if lib is None or not lib.collage_native_openmp():
+        pytest.skip("the native library was built without OpenMP")
+    if "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch does not use OpenMP")
+    with open("/proc/self/maps") as handle:
+        gomp = {line.split()[-1] for line in handle if "libgomp" in line}
+    if len(gomp) != 1 or "torch" not in next(iter(gomp)):
+        pytest.skip(f"torch's OpenMP runtime is not a libgomp in torch/lib: {gomp}")
+    assert native.info()["openmp"] == "torch"
+
+
 @pytest.fixture(scope="module")
 def portable(tmp_path_factory):
     """The portable (scalar) build of the library, or None where it cannot be built."""

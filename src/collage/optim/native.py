@@ -19,16 +19,17 @@ keyed by ``fused.stochastic_seeds``), so it equals the inductor fused path bit f
 
 **Build.** ``native_adamw.c`` (shipped with the package) is compiled on first use with the
 system C compiler (``$CC``, else ``cc``, ``gcc``, ``clang``), ``-O3 -march=native
--ffp-contract=off -shared -fPIC``, without torch headers (about 13 s for the AVX-512 build on a
-2-vCPU Zen 4 guest, 2 s for the portable one: the measured variants double the code), into
+-ffp-contract=off -fopenmp -shared -fPIC``, without torch headers (about 11 s for the AVX-512
+build on a 2-vCPU Zen 4 guest, 2 s for the portable one: the measured variants double the
+code), into
 ``$COLLAGE_CACHE_DIR/native/`` (default ``~/.cache/collage/native/``; ``$XDG_CACHE_HOME``
 is honoured). The file name is a hash of the source, the compiler's version, the flags and
 the machine (architecture and CPU flags), so a new compiler or CPU builds a new library and
 a cluster's shared home never loads another machine's code. The library is written to a
 temporary name and renamed (concurrent processes never load a partial file). The C file
 selects AVX-512 intrinsics where the target has them (``__AVX512F__``, BW, VL) and a
-portable scalar loop otherwise, so it builds on any machine; if ``-march=native`` is
-refused the build retries without it.
+portable scalar loop otherwise, so it builds on any machine; if ``-fopenmp`` or
+``-march=native`` is refused (or the OpenMP build does not load) the build retries without.
 
 **Fallback.** No compiler, a failed build or ``COLLAGE_NATIVE=0``: :func:`available` is
 False and the fused path compiles inductor kernels as before (which themselves fall back to
@@ -37,9 +38,15 @@ fused path only where these kernels are available and cover the group.
 
 **Batching and threads.** One C call per (group, step value, gradient dtype): a table of
 pointers and lengths, no concatenation, no per-tensor kernel launch. With
-``torch.get_num_threads() > 1`` the elements are split into that many ranges run from a
-thread pool (ctypes releases the GIL); each element's draw depends only on its index in the
-whole tensor, so the split changes no result.
+``torch.get_num_threads() > 1`` the elements are split into that many ranges (at least
+65,536 elements each, cut on multiples of 64 elements of a tensor). An OpenMP build splits
+them in C with ``#pragma omp parallel``: loaded after torch, whose GNU OpenMP runtime has
+the same soname, the library shares torch's runtime (``info()["openmp"] == "torch"``), so
+the optimizer step runs on torch's own threads, still spinning from the backward pass,
+instead of a second pool competing with them for the cores. Without OpenMP (and for
+measured steps) the ranges run from a Python thread pool (ctypes releases the GIL). Each
+element's draw depends only on its index in the whole tensor, so no split changes a
+result.
 
 **Measured steps** (``track_updates``): :func:`adamw` with ``sums`` runs
 ``collage_adamw_measured``, the same per-element step code (the weights and states are bit
@@ -78,12 +85,14 @@ import torch
 __all__ = ["available", "backend", "covers", "adamw", "STRATEGY_CODES", "library_path"]
 
 SOURCE = Path(__file__).with_name("native_adamw.c")
-ABI = 2
+ABI = 3
 STRATEGY_CODES = {"fp32": 0, "mixed": 1, "bf16": 2, "kahan": 3, "stochastic": 4, "light": 5,
                   "plus": 6, "split": 7}
 # flags of collage_adamw (native_adamw.c)
 _LERP_SMALL, _DECAY, _SCALED, _MAXIMIZE, _GRAD_FP32 = 1, 2, 4, 8, 16
-_FLAGS = (("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"),
+# in order of preference: OpenMP (torch's own runtime once loaded), without, portable
+_FLAGS = (("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"),
+          ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"),
           ("-O3", "-ffp-contract=off", "-shared", "-fPIC"))
 # a thread gets at least this many elements (below, the pool's overhead dominates)
 _MIN_CHUNK = 1 << 16
@@ -191,8 +200,7 @@ def _load() -> ctypes.CDLL | None:
             if cc is None:
                 tried = "$CC=" + os.environ["CC"] if os.environ.get("CC") else "cc, gcc, clang"
                 raise RuntimeError(f"no C compiler found ({tried})")
-            path, compiled = _build(cc)
-            lib = _open(path)
+            path, compiled, lib = _build_and_open(cc)
         except Exception as error:  # never fatal: the inductor/foreach paths remain
             _info.update(reason=str(error))
             warnings.warn(f"collage: native CPU kernels unavailable ({error}); the CPU fused "
@@ -200,9 +208,36 @@ def _load() -> ctypes.CDLL | None:
                           "(set COLLAGE_NATIVE=0 to silence)", RuntimeWarning, stacklevel=4)
             return None
         isa = "avx512" if lib.collage_native_isa() else "portable"
-        _info.update(path=str(path), compiled=compiled, isa=isa, compiler=cc, reason=None)
+        _info.update(path=str(path), compiled=compiled, isa=isa, compiler=cc, reason=None,
+                     openmp=_openmp_runtime(lib))
         _lib = lib
         return lib
+
+
+def _build_and_open(cc: list[str]) -> tuple[Path, bool, ctypes.CDLL]:
+    """Build (or find) and load the first flag set of ``_FLAGS`` that compiles and loads
+    (an OpenMP build whose runtime cannot be loaded falls through to the next)."""
+    errors = []
+    for flags in _FLAGS:
+        try:
+            path, compiled = _build(cc, (flags,))
+            return path, compiled, _open(path)
+        except (RuntimeError, OSError) as error:
+            errors.append(str(error))
+    raise RuntimeError(" | ".join(errors))
+
+
+def _openmp_runtime(lib: ctypes.CDLL) -> str | None:
+    """None without OpenMP; ``"torch"`` where one GNU OpenMP runtime is loaded in the
+    process (torch's, which the library then shares); ``"separate"`` otherwise."""
+    if not lib.collage_native_openmp():
+        return None
+    try:
+        with open("/proc/self/maps") as handle:
+            paths = {line.split()[-1] for line in handle if "libgomp" in line}
+    except OSError:
+        return "separate"
+    return "torch" if len(paths) == 1 else "separate"
 
 
 def _open(path: Path) -> ctypes.CDLL:
@@ -212,6 +247,9 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.collage_adamw.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
                                   ctypes.c_void_p, ctypes.c_void_p]
     lib.collage_adamw.restype = ctypes.c_int
+    lib.collage_adamw_threads.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.collage_adamw_threads.restype = ctypes.c_int
     lib.collage_adamw_measured.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.collage_adamw_measured.restype = ctypes.c_int
@@ -358,6 +396,9 @@ def adamw(strategy: str, coeffs: Mapping[str, float], rows: Sequence[tuple], *,
         sizes.append(tuple(0 if t is None else t.element_size() for t in tensors))
     code = STRATEGY_CODES[strategy]
     threads = torch.get_num_threads() if threads is None else threads
+    if sums is None and lib.collage_native_openmp():  # the C code splits the work itself
+        _call(lib, code, flags, table, h, threads=threads)
+        return
     total = sum(r[0] for r in table)
     parts = max(1, min(threads, total // _MIN_CHUNK))
     if parts == 1:
@@ -382,10 +423,14 @@ def adamw(strategy: str, coeffs: Mapping[str, float], rows: Sequence[tuple], *,
 
 
 def _call(lib, code: int, flags: int, table: list[list[int]], h: array,
-          sums: int | None = None) -> None:
-    """One C call; ``sums``: the address of ``len(table)`` float64 sum vectors (measured)."""
+          sums: int | None = None, threads: int = 1) -> None:
+    """One C call; ``sums``: the address of ``len(table)`` float64 sum vectors (measured);
+    ``threads``: OpenMP threads (unmeasured calls of an OpenMP build)."""
     flat = array("q", [x for row in table for x in row])
-    if sums is None:
+    if threads > 1:
+        status = lib.collage_adamw_threads(code, flags, len(table), flat.buffer_info()[0],
+                                           h.buffer_info()[0], threads)
+    elif sums is None:
         status = lib.collage_adamw(code, flags, len(table), flat.buffer_info()[0],
                                    h.buffer_info()[0])
     else:

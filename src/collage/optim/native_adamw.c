@@ -46,6 +46,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -54,7 +57,7 @@
 #define COLLAGE_AVX512 0
 #endif
 
-#define COLLAGE_ABI 2
+#define COLLAGE_ABI 3
 
 /* strategies, in collage.optim.native.STRATEGY_CODES order */
 enum { S_FP32, S_MIXED, S_BF16, S_KAHAN, S_STOCHASTIC, S_LIGHT, S_PLUS, S_SPLIT };
@@ -98,6 +101,11 @@ enum {
 
 int collage_native_abi(void) { return COLLAGE_ABI; }
 int collage_native_isa(void) { return COLLAGE_AVX512; } /* 1: AVX-512, 0: portable */
+#ifdef _OPENMP
+int collage_native_openmp(void) { return 1; } /* collage_adamw_threads uses OpenMP */
+#else
+int collage_native_openmp(void) { return 0; }
+#endif
 
 /* ------------------------------------------------------------------------------------ */
 /* scalar helpers (the portable build, and the reference the vector code mirrors)        */
@@ -1076,9 +1084,12 @@ static inline __attribute__((always_inline)) int run_rows(
 /* Step ``count`` tensors (rows of ``table``, T_COLS int64 each) of one strategy with the
  * coefficients ``h`` (H_COUNT floats) and ``flags``. Returns 0, or -1 for an unknown
  * strategy (nothing written). */
+int collage_adamw_threads(int strategy, int flags, int64_t count, const int64_t *table,
+                          const float *h, int threads);
+
 int collage_adamw(int strategy, int flags, int64_t count, const int64_t *table,
                   const float *h) {
-    return run_rows(0, strategy, flags, count, table, h, NULL);
+    return collage_adamw_threads(strategy, flags, count, table, h, 1);
 }
 
 /* collage_adamw, bit for bit, that also writes each row's lost-update sums: ``sums`` holds
@@ -1086,4 +1097,81 @@ int collage_adamw(int strategy, int flags, int64_t count, const int64_t *table,
 int collage_adamw_measured(int strategy, int flags, int64_t count, const int64_t *table,
                            const float *h, double *sums) {
     return run_rows(1, strategy, flags, count, table, h, sums);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* threads: OpenMP, the runtime torch itself uses                                        */
+/* ------------------------------------------------------------------------------------ */
+
+/* elements per thread at least (below it a parallel region costs more than it saves) */
+#define MIN_CHUNK 65536
+
+/* Elements [begin, end) of one row, any strategy. */
+static void run_piece(int strategy, int flags, const float *h, const int64_t *row,
+                      int64_t begin, int64_t end) {
+    int g32 = (flags & F_GRAD_FP32) != 0;
+#define PIECE(S)                                                                          \
+    case S:                                                                               \
+        if (g32) RANGE(S, 1, 0, flags, h, row, begin, end, NULL);                         \
+        else RANGE(S, 0, 0, flags, h, row, begin, end, NULL);                             \
+        break;
+    switch (strategy) {
+        PIECE(S_FP32)
+        PIECE(S_MIXED)
+        PIECE(S_BF16)
+        PIECE(S_KAHAN)
+        PIECE(S_STOCHASTIC)
+        PIECE(S_LIGHT)
+        PIECE(S_PLUS)
+        PIECE(S_SPLIT)
+    }
+#undef PIECE
+}
+
+/* A cut inside a row of ``n`` elements, moved up to a multiple of 64 elements (128 bytes
+ * or more: two threads never write one cache line); monotonic, so that the pieces of
+ * neighbouring spans neither overlap nor leave a gap. */
+static int64_t row_cut(int64_t x, int64_t n) {
+    int64_t up = (x + 63) & ~(int64_t)63;
+    return up < n ? up : n;
+}
+
+/* The elements [lo, hi) of the rows laid end to end. Every element's step depends only on
+ * its own values and its index in its tensor, so any cut gives the same bits. */
+static void run_span(int strategy, int flags, int64_t count, const int64_t *table,
+                     const float *h, int64_t lo, int64_t hi) {
+    int64_t base = 0;
+    for (int64_t t = 0; t < count && base < hi; t++) {
+        const int64_t *row = table + t * T_COLS;
+        int64_t n = row[T_N];
+        int64_t begin = row_cut(lo > base ? lo - base : 0, n);
+        int64_t end = row_cut(hi - base, n);
+        if (begin < end) run_piece(strategy, flags, h, row, begin, end);
+        base += n;
+    }
+}
+
+/* collage_adamw on up to ``threads`` threads (contiguous spans of about equal element
+ * counts, at least MIN_CHUNK each). Built with OpenMP and loaded into a process whose torch
+ * uses GNU OpenMP, the loader binds this library to torch's libgomp (one soname): the
+ * threads are torch's own, already awake after the backward pass, instead of a second pool
+ * competing with them for the cores. */
+int collage_adamw_threads(int strategy, int flags, int64_t count, const int64_t *table,
+                          const float *h, int threads) {
+    if (strategy < S_FP32 || strategy > S_SPLIT) return -1;
+    int64_t total = 0;
+    for (int64_t t = 0; t < count; t++) total += table[t * T_COLS + T_N];
+    int64_t parts = threads < 1 ? 1 : threads;
+    if (parts > total / MIN_CHUNK) parts = total / MIN_CHUNK > 0 ? total / MIN_CHUNK : 1;
+#ifdef _OPENMP
+    if (parts > 1) {
+#pragma omp parallel for num_threads((int)parts) schedule(static, 1)
+        for (int64_t p = 0; p < parts; p++)
+            run_span(strategy, flags, count, table, h, total * p / parts,
+                     total * (p + 1) / parts);
+        return 0;
+    }
+#endif
+    run_span(strategy, flags, count, table, h, 0, total);
+    return 0;
 }
