@@ -78,6 +78,7 @@ import warnings
 from array import array
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -387,13 +388,14 @@ def adamw(strategy: str, coeffs: Mapping[str, float], rows: Sequence[tuple], *,
     h = array("f", [lerp, coeffs["beta2"], coeffs["one_minus_beta2"],
                     coeffs["bias_correction2_sqrt"], coeffs["eps"], -coeffs["step_size"],
                     decay, coeffs["lr_wd"], 1.0 if scale is None else scale])
-    table, sizes = [], []
-    for tensors, first, key0, key1 in rows:
-        if tensors[1].dtype != rows[0][0][1].dtype:
+    grad_dtype = rows[0][0][1].dtype
+    table = []
+    for (w, g, m, v, vlo, x), first, key0, key1 in rows:  # the T_* columns of the C file
+        if g.dtype != grad_dtype:
             raise ValueError("one call steps gradients of one dtype")
-        table.append([tensors[0].numel(), *(0 if t is None else t.data_ptr() for t in tensors),
+        table.append([w.numel(), w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
+                      0 if vlo is None else vlo.data_ptr(), 0 if x is None else x.data_ptr(),
                       first, key0, key1])
-        sizes.append(tuple(0 if t is None else t.element_size() for t in tensors))
     code = STRATEGY_CODES[strategy]
     threads = torch.get_num_threads() if threads is None else threads
     if sums is None and lib.collage_native_openmp():  # the C code splits the work itself
@@ -404,6 +406,7 @@ def adamw(strategy: str, coeffs: Mapping[str, float], rows: Sequence[tuple], *,
     if parts == 1:
         _call(lib, code, flags, table, h, None if sums is None else sums.data_ptr())
         return
+    sizes = [tuple(0 if t is None else t.element_size() for t in row[0]) for row in rows]
     chunks = _split(table, sizes, parts)
     # measured: one sum vector per piece, added into its tensor's row afterwards
     pieces = [None if sums is None else array("d", bytes(8 * _FIELDS * len(c)))
@@ -426,7 +429,7 @@ def _call(lib, code: int, flags: int, table: list[list[int]], h: array,
           sums: int | None = None, threads: int = 1) -> None:
     """One C call; ``sums``: the address of ``len(table)`` float64 sum vectors (measured);
     ``threads``: OpenMP threads (unmeasured calls of an OpenMP build)."""
-    flat = array("q", [x for row in table for x in row])
+    flat = array("q", chain.from_iterable(table))
     if threads > 1:
         status = lib.collage_adamw_threads(code, flags, len(table), flat.buffer_info()[0],
                                            h.buffer_info()[0], threads)
