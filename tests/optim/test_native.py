@@ -365,3 +365,38 @@ def test_c_source_ships_with_the_package() -> None:
     patterns = config["tool"]["setuptools"]["package-data"]["collage"]
     assert any(native.SOURCE.match(f"*/{pattern}") for pattern in patterns)
     assert native.SOURCE.exists() and shutil.which(native._compiler()[0])
+
+
+def test_compiler_without_openmp_falls_back_to_the_thread_pool(fresh_loader, monkeypatch,
+                                                               tmp_path_factory) -> None:
+    """A compiler that refuses -fopenmp: the next flag set builds, with no warning; its
+    threaded steps (the Python pool: tensors cut every 64 elements) give the bits of one
+    thread."""
+    wrapper = tmp_path_factory.mktemp("cc") / "cc-no-openmp"
+    wrapper.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\n'
+                       f'exec {shutil.which(native._compiler()[0])} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setattr(native, "_MIN_CHUNK", 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.available()
+    assert native.info()["openmp"] is None
+    coeffs = RULE.coefficients({"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8,
+                                "weight_decay": 0.1}, 1)
+    stepped = []
+    for threads in (1, 3):
+        params = _params("plus", "hard")
+        grads = _grads(params, 0, "hard")
+        rows = []
+        for p, g in zip(params, grads):
+            state: dict = {}
+            kernels.init_state(RULE, get_strategy("plus"), p.detach(), state)
+            rows.append((native.row_tensors("plus", p.detach(), g, state), 0, 0, 0))
+        native.adamw("plus", coeffs, rows, threads=threads)
+        stepped.append(rows)
+    for (one, _, _, _), (three, _, _, _) in zip(*stepped):
+        for a, b in zip(one, three):
+            if a is not None:
+                _assert_same_bits(b, a, "3 pool threads vs 1", a.isnan() & b.isnan()
+                                  if a.is_floating_point() else None)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from . import fused, kernels, tracked
+from . import fused, kernels, native, tracked
 from .rules import Rule
 from .strategies import Strategy, check_weight, get_strategy
 
@@ -220,12 +220,7 @@ class CollageOptimizer(Optimizer):
         grads = [_local(grad) for _, _, items in batches for _, _, grad in items]
         if not grads:
             return True
-        # aminmax reads each gradient once and propagates nan (inf shows as min or max):
-        # an order of magnitude faster than isfinite(grad).all() on CPU, no temporaries.
-        extremes = [x.to(grads[0].device) for grad in grads if grad.numel()
-                    for x in torch.aminmax(grad)]
-        bad = (~torch.isfinite(torch.stack(extremes)).all()).to(torch.float32) if extremes \
-            else torch.zeros((), dtype=torch.float32, device=grads[0].device)
+        bad = self._nonfinite_flag(grads)
         bad = self._all_ranks_max(bad, shard_group)
         if not bool(bad.item()):
             return True
@@ -243,6 +238,25 @@ class CollageOptimizer(Optimizer):
                       f"({self.skipped_steps} skipped so far); weights and states unchanged",
                       RuntimeWarning, stacklevel=3)
         return False
+
+    @staticmethod
+    def _nonfinite_flag(grads: list[torch.Tensor]) -> torch.Tensor:
+        """1.0 if any gradient element is inf or nan, else 0.0 (a float32 scalar on the
+        gradients' device, for the ranks' all-reduce)."""
+        device = grads[0].device
+        # CPU: the native library, once loaded, reads each gradient once on torch's threads
+        # with no per-tensor dispatch (plus at 17M parameters: the check's cost 0.10 ->
+        # 0.04 ns/param); it never builds the library itself
+        verdict = native.any_nonfinite(grads) if device.type == "cpu" else None
+        if verdict is not None:
+            return torch.tensor(float(verdict), dtype=torch.float32)
+        # aminmax reads each gradient once and propagates nan (inf shows as min or max):
+        # an order of magnitude faster than isfinite(grad).all() on CPU, no temporaries.
+        extremes = [x.to(device) for grad in grads if grad.numel()
+                    for x in torch.aminmax(grad)]
+        if not extremes:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return (~torch.isfinite(torch.stack(extremes)).all()).to(torch.float32)
 
     @staticmethod
     def _all_ranks_max(flag: torch.Tensor, shard_group) -> torch.Tensor:

@@ -83,7 +83,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "backend", "covers", "adamw", "STRATEGY_CODES", "library_path"]
+__all__ = ["available", "backend", "covers", "adamw", "any_nonfinite", "STRATEGY_CODES",
+           "library_path"]
 
 SOURCE = Path(__file__).with_name("native_adamw.c")
 ABI = 3
@@ -251,6 +252,9 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.collage_adamw_threads.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.collage_adamw_threads.restype = ctypes.c_int
+    lib.collage_nonfinite.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.c_int]
+    lib.collage_nonfinite.restype = ctypes.c_int
     lib.collage_adamw_measured.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.collage_adamw_measured.restype = ctypes.c_int
@@ -423,6 +427,35 @@ def adamw(strategy: str, coeffs: Mapping[str, float], rows: Sequence[tuple], *,
         owners = torch.tensor([o for _, chunk_owners in chunks for o in chunk_owners])
         values = torch.cat([torch.frombuffer(out, dtype=torch.float64) for out in pieces])
         sums.zero_().index_add_(0, owners, values.view(-1, _FIELDS))
+
+
+def loaded() -> ctypes.CDLL | None:
+    """The library if an earlier call loaded it, else None (never builds)."""
+    return _lib
+
+
+def any_nonfinite(tensors: Sequence[torch.Tensor], threads: int | None = None,
+                  lib: ctypes.CDLL | None = None) -> bool | None:
+    """Whether any element of ``tensors`` is inf or nan, read once at memory speed on
+    ``threads`` threads (default ``torch.get_num_threads()``); None where the library is not
+    loaded or a tensor is not a contiguous CPU bf16/float32 tensor (the caller then checks
+    with torch). The same verdict as ``not torch.isfinite(t).all()`` for each tensor."""
+    lib = lib or _lib
+    if lib is None:
+        return None
+    tables: dict[bool, list[int]] = {}
+    for t in tensors:
+        if (t.device.type != "cpu" or t.dtype not in (torch.bfloat16, torch.float32)
+                or not t.is_contiguous()):
+            return None
+        if t.numel():
+            tables.setdefault(t.dtype == torch.float32, []).extend((t.data_ptr(), t.numel()))
+    threads = torch.get_num_threads() if threads is None else threads
+    for wide, pairs in tables.items():
+        flat = array("q", pairs)
+        if lib.collage_nonfinite(int(wide), len(pairs) // 2, flat.buffer_info()[0], threads):
+            return True
+    return False
 
 
 def _call(lib, code: int, flags: int, table: list[list[int]], h: array,

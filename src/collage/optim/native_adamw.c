@@ -26,6 +26,10 @@
  *
  * Two builds of the same arithmetic: AVX-512 (F, BW, VL) intrinsics when the compiler
  * targets them, and a portable scalar loop otherwise (any C99 compiler; fmaf from libm).
+ * The AVX-512 build steps bf16-weight strategies 32 elements per iteration where it can
+ * (pair_block: unmeasured steps, bf16 gradients) and 16 otherwise (vector_block); the
+ * per-element operations are the same. Threads: collage_adamw_threads cuts the rows into
+ * spans run by OpenMP where the build has it (-fopenmp; torch's runtime once loaded).
  *
  * Measured steps (collage_adamw_measured) run the same per-element (per-vector) step code
  * and, from the values already in registers, reduce the 11 lost-update sums of
@@ -1174,4 +1178,56 @@ int collage_adamw_threads(int strategy, int flags, int64_t count, const int64_t 
 #endif
     run_span(strategy, flags, count, table, h, 0, total);
     return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* the non-finite check of nonfinite="skip"/"raise": does any element overflow?          */
+/* ------------------------------------------------------------------------------------ */
+
+/* 1 if any of x[begin, end) is inf or nan: the exponent field all ones. Branch-free, so the
+ * compiler vectorises it; the whole span is read (no early exit: the verdict is rare). */
+static int span_nonfinite(const void *x, int wide, int64_t begin, int64_t end) {
+    unsigned bad = 0;
+    if (wide) {
+        const uint32_t *u = (const uint32_t *)x;
+        for (int64_t i = begin; i < end; i++) bad |= (u[i] & 0x7F800000u) == 0x7F800000u;
+    } else {
+        const uint16_t *h = (const uint16_t *)x;
+        for (int64_t i = begin; i < end; i++) bad |= (h[i] & 0x7F80u) == 0x7F80u;
+    }
+    return bad != 0;
+}
+
+/* Elements [lo, hi) of the tensors laid end to end (``table``: pointer, length pairs). */
+static int pieces_nonfinite(int wide, int64_t count, const int64_t *table, int64_t lo,
+                            int64_t hi) {
+    int bad = 0;
+    int64_t base = 0;
+    for (int64_t t = 0; t < count && base < hi; t++) {
+        int64_t n = table[2 * t + 1];
+        int64_t begin = lo > base ? lo - base : 0, end = hi - base < n ? hi - base : n;
+        if (begin < end) bad |= span_nonfinite((const void *)table[2 * t], wide, begin, end);
+        base += n;
+    }
+    return bad;
+}
+
+/* 1 if any element of ``count`` tensors (``table``: data pointer and element count pairs;
+ * float32 when ``wide``, else bf16) is inf or nan, else 0; on up to ``threads`` threads. */
+int collage_nonfinite(int wide, int64_t count, const int64_t *table, int threads) {
+    int64_t total = 0;
+    for (int64_t t = 0; t < count; t++) total += table[2 * t + 1];
+    int64_t parts = threads < 1 ? 1 : threads;
+    if (parts > total / MIN_CHUNK) parts = total / MIN_CHUNK > 0 ? total / MIN_CHUNK : 1;
+    int bad = 0;
+#ifdef _OPENMP
+    if (parts > 1) {
+#pragma omp parallel for num_threads((int)parts) schedule(static, 1) reduction(| : bad)
+        for (int64_t p = 0; p < parts; p++)
+            bad |= pieces_nonfinite(wide, count, table, total * p / parts,
+                                    total * (p + 1) / parts);
+        return bad;
+    }
+#endif
+    return pieces_nonfinite(wide, count, table, 0, total);
 }

@@ -1,0 +1,79 @@
+"""The native non-finite check (``native.any_nonfinite``, used by ``nonfinite="skip"`` and
+``"raise"`` once the library is loaded): the verdict of ``torch.isfinite(t).all()`` for every
+position of an inf or nan (vector body, tail, first and last element, thread cuts), both
+dtypes, and the optimizer's skip and raise on top of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import collage
+from collage.optim import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+
+SIZES = (1, 31, 32, 33, 1000, 70_001, 140_003)  # tails; above 2 x 65,536: two threads
+
+
+def _tensors(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=gen).mul_(1e30).to(dtype) for n in SIZES]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_verdict_is_torchs_for_every_position(dtype, threads) -> None:
+    tensors = _tensors(dtype)
+    assert native.any_nonfinite(tensors, threads=threads) is False
+    # largest finite values and subnormals are finite
+    edge = torch.tensor([torch.finfo(dtype).max, -torch.finfo(dtype).max,
+                         torch.finfo(dtype).tiny / 4, -0.0], dtype=dtype)
+    assert native.any_nonfinite([edge], threads=threads) is False
+    for value in (float("inf"), float("-inf"), float("nan"), -float("nan")):
+        for t in tensors:
+            for position in {0, t.numel() // 2, t.numel() - 1, min(t.numel() - 1, 65_600)}:
+                original = t[position].clone()
+                t[position] = value
+                want = not bool(torch.isfinite(t).all())
+                assert native.any_nonfinite(tensors, threads=threads) is want is True, \
+                    (value, t.numel(), position)
+                t[position] = original
+    assert native.any_nonfinite(tensors, threads=threads) is False
+
+
+def test_other_tensors_are_left_to_torch() -> None:
+    half = torch.ones(4, dtype=torch.float16)
+    strided = torch.ones(8)[::2]
+    assert native.any_nonfinite([half]) is None
+    assert native.any_nonfinite([strided]) is None
+    assert native.any_nonfinite([]) is False
+    assert native.any_nonfinite([torch.ones(0)]) is False
+
+
+def test_optimizer_skips_and_raises_with_the_native_check(monkeypatch) -> None:
+    seen = []
+    original = native.any_nonfinite
+
+    def spy(tensors, *args, **kwargs):
+        verdict = original(tensors, *args, **kwargs)
+        seen.append(verdict)
+        return verdict
+
+    monkeypatch.setattr(native, "any_nonfinite", spy)
+    p = torch.nn.Parameter(torch.randn(100).bfloat16())
+    before = p.detach().clone()
+    opt = collage.AdamW([p], strategy="plus", lr=0.1)
+    p.grad = torch.ones(100, dtype=torch.bfloat16)
+    p.grad[57] = float("nan")
+    with pytest.warns(RuntimeWarning, match="skipped step"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and opt.skipped_steps == 1
+    p.grad[57] = 1.0
+    opt.step()
+    assert not torch.equal(p.detach(), before)
+    p.grad[3] = float("inf")
+    raising = collage.AdamW([p], strategy="plus", lr=0.1, nonfinite="raise")
+    with pytest.raises(FloatingPointError, match="nothing was updated"):
+        raising.step()
+    assert seen == [True, False, True]
