@@ -59,11 +59,15 @@ def test_gpt_shapes_cover_sizes():
 @needs_compiler
 def test_bench_train_smoke(capsys):
     code = main(["bench", "train", "--preset", "micro", "--modes", "autocast,plus",
-                 "--steps", "1", "--warmup", "0", "--json", "--threads", "1"])
+                 "--steps", "1", "--warmup", "0", "--json", "--threads", "1", "--rounds", "2"])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     modes = [r["mode"] for r in result["rows"]]
     assert modes == ["autocast", "plus"]
+    for row in result["rows"]:  # two rounds: the median of two, ratios within a round
+        assert len(row["tokens_per_s_rounds"]) == 2
+        assert row["tokens_per_s"] == pytest.approx(sum(row["tokens_per_s_rounds"]) / 2)
+    assert result["rows"][0]["tokens_per_s_vs_autocast_rounds"] == [1.0, 1.0]
     for row in result["rows"]:
         assert row["tokens_per_s"] > 0 and row["persistent_bytes"] > 0
         assert row["peak_bytes"] >= row["persistent_bytes"]  # measured by the allocator

@@ -1,7 +1,9 @@
 """``collage bench train``: tokens/s and peak memory of a GPT per strategy, beside
 ``torch.autocast(bfloat16)`` with float32 weights, in one run.
 
-Every mode runs in a fresh process (peak memory is per process): it first compiles the
+Every mode runs in a fresh process (peak memory is per process), ``--rounds`` times (default
+3) with the order of the modes rotated each round; tokens/s is the median over the rounds,
+its ratio to autocast the median of the ratios within a round. A mode first compiles the
 optimizer's kernels on a tiny model (so compilation is neither timed nor counted), records
 its resident set, builds the model, and trains ``warmup + steps`` steps on random tokens
 with a learning rate that changes every step (as a schedule does). Tokens/s covers the timed
@@ -169,35 +171,54 @@ def worker(spec: dict) -> dict:
     }
 
 
+def _run_mode(spec: dict, quiet: bool) -> dict:
+    """One mode in a fresh interpreter."""
+    code = ("import json, sys; from collage.bench.train import worker; "
+            "print(json.dumps(worker(json.loads(sys.argv[1]))))")
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(spec)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench train: mode {spec['mode']} failed:\n{done.stderr[-3000:]}")
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    if not quiet:
+        print(f"[train] {spec['mode']:10s} {row['tokens_per_s']:9.0f} tokens/s  peak "
+              f"{row['peak_bytes'] / 2**20:7.1f} MiB  persistent "
+              f"{row['persistent_bytes'] / 2**20:6.1f} MiB  "
+              f"({time.perf_counter() - started:.0f}s)", file=sys.stderr, flush=True)
+    return row
+
+
 def run(*, modes=MODES, preset="paper-small", model=None, batch=None, steps=10, warmup=3,
-        threads=None, quiet=True) -> dict:
+        threads=None, quiet=True, rounds=1) -> dict:
+    """Every mode once per round, the order rotated each round (a machine whose speed
+    drifts affects all modes alike); a mode's tokens/s is its median over the rounds and its
+    ratio to autocast the median of the ratios within a round. Peak memory is the
+    allocator's count, the same every round: the first round's."""
     model = model or {}
     model_cfg, preset_batch = _model_config(preset, model)
     batch = batch or preset_batch
     spec_base = {"preset": preset, "model": model, "batch": batch, "steps": steps,
                  "warmup": warmup, "threads": threads}
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for r in range(rounds):
+        shift = r % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            runs[mode].append(_run_mode(dict(spec_base, mode=mode), quiet))
     rows = []
     for mode in modes:
-        spec = dict(spec_base, mode=mode)
-        code = ("import json, sys; from collage.bench.train import worker; "
-                "print(json.dumps(worker(json.loads(sys.argv[1]))))")
-        started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", code, json.dumps(spec)],
-                              capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"bench train: mode {mode} failed:\n{done.stderr[-3000:]}")
-        row = json.loads(done.stdout.strip().splitlines()[-1])
+        row = dict(runs[mode][0])
+        row["tokens_per_s_rounds"] = [x["tokens_per_s"] for x in runs[mode]]
+        row["tokens_per_s"] = statistics.median(row["tokens_per_s_rounds"])
         rows.append(row)
-        if not quiet:
-            print(f"[train] {mode:10s} {row['tokens_per_s']:9.0f} tokens/s  peak "
-                  f"{row['peak_bytes'] / 2**20:7.1f} MiB  persistent "
-                  f"{row['persistent_bytes'] / 2**20:6.1f} MiB  "
-                  f"({time.perf_counter() - started:.0f}s)", file=sys.stderr, flush=True)
-    reference = next((r for r in rows if r["mode"] == "autocast"), None)
+    reference = runs.get("autocast")
     for row in rows:
         if reference:
-            row["tokens_per_s_vs_autocast"] = row["tokens_per_s"] / reference["tokens_per_s"]
-            row["peak_vs_autocast"] = row["peak_bytes"] / max(reference["peak_bytes"], 1)
+            ratios = [x["tokens_per_s"] / ref["tokens_per_s"]
+                      for x, ref in zip(runs[row["mode"]], reference)]
+            row["tokens_per_s_vs_autocast_rounds"] = ratios
+            row["tokens_per_s_vs_autocast"] = statistics.median(ratios)
+            row["peak_vs_autocast"] = row["peak_bytes"] / max(reference[0]["peak_bytes"], 1)
     checks = []
     plus = next((r for r in rows if r["mode"] == "plus"), None)
     if plus and reference:
@@ -210,7 +231,8 @@ def run(*, modes=MODES, preset="paper-small", model=None, batch=None, steps=10, 
     return {
         "environment": common.environment(),
         "settings": {"preset": preset, "model": dataclasses.asdict(model_cfg),
-                     "batch": batch, "steps": steps, "warmup": warmup, "threads": threads},
+                     "batch": batch, "steps": steps, "warmup": warmup, "threads": threads,
+                     "rounds": rounds},
         "rows": rows,
         "checks": checks,
     }
@@ -222,7 +244,8 @@ def table(result: dict) -> str:
     n = result["rows"][0]["n_params"] if result["rows"] else 0
     lines = [f"### GPT d_model={m['d_model']}, layers={m['n_layers']}, heads={m['n_heads']}, "
              f"context={m['context']}, batch={s['batch']} ({n / 1e6:.2f}M parameters); "
-             f"{s['steps']} timed steps after {s['warmup']}", "",
+             f"{s['steps']} timed steps after {s['warmup']}, {s.get('rounds', 1)} round(s) "
+             "(medians)", "",
              "| mode | tokens/s | x autocast | step ms (median) | step ms (p90) | "
              "peak MiB | x autocast | persistent MiB | peak RSS growth MiB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -262,6 +285,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, help="sequences per step (default: the preset's)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="run every mode this many times, the order rotated (default 3)")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated: {', '.join(MODES)} (default: all)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
@@ -276,8 +301,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     for mode in modes:
         if mode not in MODES:
             raise UsageError(f"--modes: unknown mode {mode!r}; valid: {', '.join(MODES)}")
-    if args.steps < 1 or args.warmup < 0:
-        raise UsageError("--steps must be at least 1 and --warmup at least 0")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        raise UsageError("--steps and --rounds must be at least 1 and --warmup at least 0")
     from ..train.config import PRESETS
 
     if args.preset not in PRESETS:
@@ -290,7 +315,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from None
     result = run(modes=modes, preset=args.preset, model=model, batch=args.batch_size,
                  steps=args.steps, warmup=args.warmup, threads=args.threads,
-                 quiet=args.quiet or args.json)
+                 quiet=args.quiet or args.json, rounds=args.rounds)
     text = table(result)
     if args.markdown:
         with open(args.markdown, "w") as handle:
