@@ -631,21 +631,21 @@ typedef struct {
 
 /* The lost-update terms of one vector (see the header): ``W`` the float32 weight the step
  * read, ``V0`` the visible weight before (separate-visible strategies), ``X0`` the pair's
- * second part before; the after values come from ``o``. Lanes outside ``k`` count nothing. */
+ * second part before; after the step: ``W1`` the float32 master (fp32, mixed, split),
+ * ``v1`` the visible weight (all but fp32), ``x1`` the pair's second part. Lanes outside
+ * ``k`` count nothing. */
 static inline __attribute__((always_inline)) void vector_measure(
     const int S, const vcoeffs *c, __mmask16 k, __m512 u, __m512 W, __m512 V0, __m512 X0,
-    const vout *o, vacc *a, totals *t) {
+    __m512 W1, __m512 v1, __m512 x1, vacc *a, totals *t) {
     __m512 zero = _mm512_setzero_ps();
     __m512 d = _mm512_sub_ps(u, _mm512_mul_ps(W, c->lr_wd));
-    __m512 e = zero, ev = zero, x1 = zero, v1 = zero;
+    __m512 e = zero, ev = zero;
     __mmask16 stuck;
-    if (S == S_FP32 || S == S_MIXED || S == S_SPLIT) e = _mm512_sub_ps(o->w32, W);
-    if (S != S_FP32) v1 = v_widen(o->w);
+    if (S == S_FP32 || S == S_MIXED || S == S_SPLIT) e = _mm512_sub_ps(W1, W);
     if (S == S_BF16 || S == S_STOCHASTIC) e = _mm512_sub_ps(v1, W);
     if (PAIR(S)) {
         /* r0: the pair's first part before (kahan reads it as W). See pair_change. */
         __m512 r0 = S == S_KAHAN ? W : V0;
-        x1 = v_widen(o->x);
         __m512 sum = _mm512_add_ps(_mm512_sub_ps(v1, r0), _mm512_sub_ps(x1, X0));
         e = _mm512_fmadd_ps(sum, zero, sum); /* inf -> nan, as TwoSum's error term */
         stuck = _mm512_cmp_ps_mask(sum, zero, _CMP_EQ_OQ);
@@ -763,7 +763,13 @@ static inline __attribute__((always_inline)) void vector_block(
     vout o;
     if (__builtin_expect(vector_land(S, 0, c, r, i, m, v, u, W, X, &o) != 0, 0))
         vector_land(S, 1, c, r, i, m, v, u, W, X, &o);
-    if (MEAS) vector_measure(S, c, k, u, W, V, X, &o, a, t);
+    if (MEAS) {
+        __m512 zero = _mm512_setzero_ps();
+        vector_measure(S, c, k, u, W, V, X,
+                       (S == S_FP32 || S == S_MIXED || S == S_SPLIT) ? o.w32 : zero,
+                       S != S_FP32 ? v_widen(o.w) : zero, PAIR(S) ? v_widen(o.x) : zero, a,
+                       t);
+    }
     switch (S) {
     case S_FP32: v_store_f32(wp, i, k, o.w32); break;
     case S_MIXED:
@@ -857,6 +863,7 @@ static inline __m512 v_decayed(const vcoeffs *c, __m512 W, __m512 u) {
 
 typedef struct {
     __m512i w, x, m, v, vlo; /* packed 16-bit outputs */
+    vpair w32;               /* split: the new float32 master (measured steps) */
 } vout2;
 
 /* vector_land for 32 elements: the same operations per element */
@@ -908,8 +915,9 @@ static inline __attribute__((always_inline)) __mmask16 pair_land(
     }
     case S_SPLIT: { /* split_encode; see vector_land */
         __m512i half = _mm512_set1_epi32(0x8000), low = _mm512_set1_epi32(0xFFFF);
-        __m512i be = _mm512_castps_si512(v_decayed(c, W.e, u.e));
-        __m512i bo = _mm512_castps_si512(v_decayed(c, W.o, u.o));
+        o->w32.e = v_decayed(c, W.e, u.e);
+        o->w32.o = v_decayed(c, W.o, u.o);
+        __m512i be = _mm512_castps_si512(o->w32.e), bo = _mm512_castps_si512(o->w32.o);
         __m512i le = _mm512_and_si512(be, low), lo = _mm512_and_si512(bo, low);
         __m512i te = _mm512_sub_epi32(_mm512_srli_epi32(be, 16),
                                       _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(le, half)));
@@ -926,10 +934,14 @@ static inline __attribute__((always_inline)) __mmask16 pair_land(
     return bad;
 }
 
-/* vector_block for 32 elements: unmeasured, bf16 gradient, a bf16-weight strategy */
+/* vector_block for 32 elements of a bf16-weight strategy with bf16 gradients; with MEAS
+ * the lost-update terms of the even and the odd elements go into the lane sums ``a`` (each
+ * lane then sums two elements per 32: a block of 16 * SUM_BLOCK elements still gives every
+ * lane SUM_BLOCK terms). */
 static inline __attribute__((always_inline)) void pair_block(const int S, const int SCALED,
-                                                             const int BC1, const vcoeffs *c,
-                                                             vrow r, int64_t i) {
+                                                             const int BC1, const int MEAS,
+                                                             const vcoeffs *c, vrow r,
+                                                             int64_t i, vacc *a, totals *t) {
     vpair g = v_load_pair(r.g, i), m = v_load_pair(r.m, i), v = v_load_pair(r.v, i);
     if (S == S_PLUS || S == S_SPLIT) {
         vpair lo = v_load_pair(r.vlo, i);
@@ -938,7 +950,7 @@ static inline __attribute__((always_inline)) void pair_block(const int S, const 
     }
     vpair u = {v_adam(SCALED, BC1, c, g.e, &m.e, &v.e),
                v_adam(SCALED, BC1, c, g.o, &m.o, &v.o)};
-    vpair W, X = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    vpair W, X = {_mm512_setzero_ps(), _mm512_setzero_ps()}, V = X;
     switch (S) {
     case S_BF16:
     case S_STOCHASTIC: W = v_load_pair(r.w, i); break;
@@ -948,10 +960,10 @@ static inline __attribute__((always_inline)) void pair_block(const int S, const 
         break;
     case S_LIGHT:
     case S_PLUS: {
-        vpair hi = v_load_pair(r.w, i);
+        V = v_load_pair(r.w, i);
         X = v_load_pair(r.x, i);
-        W.e = _mm512_add_ps(hi.e, X.e);
-        W.o = _mm512_add_ps(hi.o, X.o);
+        W.e = _mm512_add_ps(V.e, X.e);
+        W.o = _mm512_add_ps(V.o, X.o);
         break;
     }
     default: { /* S_SPLIT: split_decode of the even and odd words, as in vector_block */
@@ -966,12 +978,22 @@ static inline __attribute__((always_inline)) void pair_block(const int S, const 
             _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(we, ue), 16), xe));
         W.o = _mm512_castsi512_ps(
             _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(wo, uo), 16), xo));
+        if (MEAS) V = v_split(wp);
         break;
     }
     }
     vout2 o;
     if (__builtin_expect(pair_land(S, 0, c, r, i, m, v, u, W, X, &o) != 0, 0))
         pair_land(S, 1, c, r, i, m, v, u, W, X, &o);
+    if (MEAS) {
+        const __mmask16 full = (__mmask16)0xFFFF;
+        __m512 zero = _mm512_setzero_ps();
+        vpair v1 = v_split(o.w), x1 = {zero, zero}, w1 = {zero, zero};
+        if (PAIR(S)) x1 = v_split(o.x);
+        if (S == S_SPLIT) w1 = o.w32;
+        vector_measure(S, c, full, u.e, W.e, V.e, X.e, w1.e, v1.e, x1.e, a, t);
+        vector_measure(S, c, full, u.o, W.o, V.o, X.o, w1.o, v1.o, x1.o, a, t);
+    }
     v_store_words(r.w, i, o.w);
     if (S != S_BF16 && S != S_STOCHASTIC) v_store_words(r.x, i, o.x);
     v_store_words(r.m, i, o.m);
@@ -988,7 +1010,7 @@ static inline __attribute__((always_inline)) void vector_loop(
     int64_t i = begin;
     if (!MEAS) {
         if (!G32 && S != S_FP32 && S != S_MIXED)
-            for (; i + 32 <= end; i += 32) pair_block(S, SCALED, BC1, c, r, i);
+            for (; i + 32 <= end; i += 32) pair_block(S, SCALED, BC1, 0, c, r, i, NULL, NULL);
         for (; i + 16 <= end; i += 16) vector_block(S, G32, SCALED, 0, c, r, i, full, NULL, NULL);
         if (i < end)
             vector_block(S, G32, SCALED, 0, c, r, i, (__mmask16)((1u << (end - i)) - 1u),
@@ -998,10 +1020,17 @@ static inline __attribute__((always_inline)) void vector_loop(
     totals t = {{0}, 0, 0, 0};
     vacc a;
     for (int f = 0; f < A_COUNT; f++) a.sum[f] = _mm512_setzero_ps();
+    const int pairs = !G32 && S != S_FP32 && S != S_MIXED; /* the 32-wide path */
     for (; i + 16 * SUM_BLOCK <= end; i += 16 * SUM_BLOCK) {
+        if (pairs) {
 #pragma GCC unroll 1
-        for (int j = 0; j < 16 * SUM_BLOCK; j += 16)
-            vector_block(S, G32, SCALED, 1, c, r, i + j, full, &a, &t);
+            for (int j = 0; j < 16 * SUM_BLOCK; j += 32)
+                pair_block(S, SCALED, 0, 1, c, r, i + j, &a, &t);
+        } else {
+#pragma GCC unroll 1
+            for (int j = 0; j < 16 * SUM_BLOCK; j += 16)
+                vector_block(S, G32, SCALED, 1, c, r, i + j, full, &a, &t);
+        }
         vector_flush(S, &a, &t);
     }
     for (; i + 16 <= end; i += 16) vector_block(S, G32, SCALED, 1, c, r, i, full, &a, &t);
