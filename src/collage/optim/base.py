@@ -245,8 +245,8 @@ class CollageOptimizer(Optimizer):
         gradients' device, for the ranks' all-reduce)."""
         device = grads[0].device
         # CPU: the native library, once loaded, reads each gradient once on torch's threads
-        # with no per-tensor dispatch (plus at 17M parameters: the check's cost 0.10 ->
-        # 0.04 ns/param); it never builds the library itself
+        # with no per-tensor dispatch (17M bf16 gradients, 2 threads: 0.09 -> 0.06
+        # ns/param); it never builds the library itself
         verdict = native.any_nonfinite(grads) if device.type == "cpu" else None
         if verdict is not None:
             return torch.tensor(float(verdict), dtype=torch.float32)

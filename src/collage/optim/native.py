@@ -230,8 +230,9 @@ def _build_and_open(cc: list[str]) -> tuple[Path, bool, ctypes.CDLL]:
 
 
 def _openmp_runtime(lib: ctypes.CDLL) -> str | None:
-    """None without OpenMP; ``"torch"`` where one GNU OpenMP runtime is loaded in the
-    process (torch's, which the library then shares); ``"separate"`` otherwise."""
+    """None without OpenMP; ``"torch"`` where torch runs on OpenMP and one GNU OpenMP
+    runtime is loaded in the process (torch's, which the library then shares);
+    ``"separate"`` otherwise."""
     if not lib.collage_native_openmp():
         return None
     try:
@@ -239,7 +240,8 @@ def _openmp_runtime(lib: ctypes.CDLL) -> str | None:
             paths = {line.split()[-1] for line in handle if "libgomp" in line}
     except OSError:
         return "separate"
-    return "torch" if len(paths) == 1 else "separate"
+    torch_omp = "OpenMP" in torch.__config__.parallel_info()
+    return "torch" if torch_omp and len(paths) == 1 else "separate"
 
 
 def _open(path: Path) -> ctypes.CDLL:
