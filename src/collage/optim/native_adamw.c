@@ -545,6 +545,23 @@ static inline __attribute__((always_inline)) __m256i v_stochastic(
     return v_narrow(v_stochastic32(x, draw, exact, bad));
 }
 
+/* split_decode on 16 lanes of zero-extended words: (w - (low > 0x8000)) << 16 | low (the
+ * all-ones compare mask is -1) */
+static inline __m512 v_split_decode(__m512i w16, __m512i low16) {
+    __m512i up = _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(low16, _mm512_set1_epi32(0x8000)));
+    return _mm512_castsi512_ps(
+        _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(w16, up), 16), low16));
+}
+
+/* split_encode on 16 lanes: the weight word and the low bits, each in the low 16 bits of
+ * its int32 lane (the weight's upper bits may hold a carry; packing keeps 16 bits) */
+static inline void v_split_encode(__m512 master, __m512i *weight, __m512i *low) {
+    __m512i bits = _mm512_castps_si512(master);
+    *low = _mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF));
+    __m512i up = _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(*low, _mm512_set1_epi32(0x8000)));
+    *weight = _mm512_sub_epi32(_mm512_srli_epi32(bits, 16), up);
+}
+
 /* One table row in locals: intrinsic stores may alias anything, so pointers read from the
  * table inside the loop would be reloaded after every store. */
 typedef struct {
@@ -600,13 +617,9 @@ static inline __attribute__((always_inline)) __mmask16 vector_land(
         break;
     }
     case S_SPLIT: { /* W: the decoded float32 master */
-        __m512i half = _mm512_set1_epi32(0x8000);
-        __m512 Wd = _mm512_mask_mul_ps(W, c->decays, W, c->decay);
-        o->w32 = _mm512_add_ps(Wd, u);
-        __m512i bits = _mm512_castps_si512(o->w32);
-        __m512i l = _mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF));
-        __m512i top = _mm512_sub_epi32(_mm512_srli_epi32(bits, 16),
-                                       _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(l, half)));
+        __m512i top, l;
+        o->w32 = _mm512_add_ps(_mm512_mask_mul_ps(W, c->decays, W, c->decay), u);
+        v_split_encode(o->w32, &top, &l);
         o->w = v_narrow(top); /* vpmovdw truncates: the low 16 bits */
         o->x = v_narrow(l);
         break;
@@ -752,10 +765,7 @@ static inline __attribute__((always_inline)) void vector_block(
     case S_SPLIT: { /* the bf16 weight and the low bits, zero-extended */
         __m512i w16 = _mm512_cvtepu16_epi32(v_load16(wp, i, k));
         __m512i x16 = _mm512_cvtepu16_epi32(v_load16(xp, i, k));
-        /* split_decode: (w - (low > 0x8000)) << 16 | low; the all-ones mask is -1 */
-        __m512i up = _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(x16, _mm512_set1_epi32(0x8000)));
-        W = _mm512_castsi512_ps(
-            _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(w16, up), 16), x16));
+        W = v_split_decode(w16, x16);
         if (MEAS) V = _mm512_castsi512_ps(_mm512_slli_epi32(w16, 16));
         break;
     }
@@ -913,16 +923,12 @@ static inline __attribute__((always_inline)) __mmask16 pair_land(
         o->x = v_residual2(c, nw, v_split(o->w), exact, &bad);
         break;
     }
-    case S_SPLIT: { /* split_encode; see vector_land */
-        __m512i half = _mm512_set1_epi32(0x8000), low = _mm512_set1_epi32(0xFFFF);
+    case S_SPLIT: { /* split_encode of each half */
+        __m512i te, to, le, lo;
         o->w32.e = v_decayed(c, W.e, u.e);
         o->w32.o = v_decayed(c, W.o, u.o);
-        __m512i be = _mm512_castps_si512(o->w32.e), bo = _mm512_castps_si512(o->w32.o);
-        __m512i le = _mm512_and_si512(be, low), lo = _mm512_and_si512(bo, low);
-        __m512i te = _mm512_sub_epi32(_mm512_srli_epi32(be, 16),
-                                      _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(le, half)));
-        __m512i to = _mm512_sub_epi32(_mm512_srli_epi32(bo, 16),
-                                      _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(lo, half)));
+        v_split_encode(o->w32.e, &te, &le);
+        v_split_encode(o->w32.o, &to, &lo);
         o->w = v_pack(te, to);
         o->x = v_pack(le, lo);
         break;
@@ -966,18 +972,12 @@ static inline __attribute__((always_inline)) void pair_block(const int S, const 
         W.o = _mm512_add_ps(V.o, X.o);
         break;
     }
-    default: { /* S_SPLIT: split_decode of the even and odd words, as in vector_block */
-        __m512i low = _mm512_set1_epi32(0xFFFF), half = _mm512_set1_epi32(0x8000);
+    default: { /* S_SPLIT: split_decode of the even and odd words */
+        __m512i low = _mm512_set1_epi32(0xFFFF);
         __m512i wp = _mm512_loadu_si512((const uint16_t *)r.w + i);
         __m512i xp = _mm512_loadu_si512((const uint16_t *)r.x + i);
-        __m512i we = _mm512_and_si512(wp, low), wo = _mm512_srli_epi32(wp, 16);
-        __m512i xe = _mm512_and_si512(xp, low), xo = _mm512_srli_epi32(xp, 16);
-        __m512i ue = _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(xe, half));
-        __m512i uo = _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(xo, half));
-        W.e = _mm512_castsi512_ps(
-            _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(we, ue), 16), xe));
-        W.o = _mm512_castsi512_ps(
-            _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(wo, uo), 16), xo));
+        W.e = v_split_decode(_mm512_and_si512(wp, low), _mm512_and_si512(xp, low));
+        W.o = v_split_decode(_mm512_srli_epi32(wp, 16), _mm512_srli_epi32(xp, 16));
         if (MEAS) V = v_split(wp);
         break;
     }
@@ -1084,34 +1084,29 @@ static inline __attribute__((always_inline)) void vector_range(
 /* entry point                                                                            */
 /* ------------------------------------------------------------------------------------ */
 
-#define CASE(S)                                                                           \
-    case S:                                                                               \
-        if (g32) RANGE(S, 1, MEAS, flags, h, row, 0, row[T_N], out);                      \
-        else RANGE(S, 0, MEAS, flags, h, row, 0, row[T_N], out);                          \
-        break;
-
-/* every strategy's rows, MEAS constant (the measured and unmeasured loops are separate
- * instantiations of the same per-element code) */
-static inline __attribute__((always_inline)) int run_rows(
-    const int MEAS, int strategy, int flags, int64_t count, const int64_t *table,
-    const float *h, double *sums) {
-    if (strategy < S_FP32 || strategy > S_SPLIT) return -1;
+/* Elements [begin, end) of one row, any strategy; with MEAS its lost-update sums to
+ * ``out`` (the measured and unmeasured loops are separate instantiations of the same
+ * per-element code). */
+static inline __attribute__((always_inline)) void run_piece(
+    const int MEAS, int strategy, int flags, const float *h, const int64_t *row,
+    int64_t begin, int64_t end, double *out) {
     int g32 = (flags & F_GRAD_FP32) != 0;
-    for (int64_t t = 0; t < count; t++) {
-        const int64_t *row = table + t * T_COLS;
-        double *out = MEAS ? sums + t * M_COUNT : NULL;
-        switch (strategy) {
-            CASE(S_FP32)
-            CASE(S_MIXED)
-            CASE(S_BF16)
-            CASE(S_KAHAN)
-            CASE(S_STOCHASTIC)
-            CASE(S_LIGHT)
-            CASE(S_PLUS)
-            CASE(S_SPLIT)
-        }
+#define PIECE(S)                                                                          \
+    case S:                                                                               \
+        if (g32) RANGE(S, 1, MEAS, flags, h, row, begin, end, out);                       \
+        else RANGE(S, 0, MEAS, flags, h, row, begin, end, out);                           \
+        break;
+    switch (strategy) {
+        PIECE(S_FP32)
+        PIECE(S_MIXED)
+        PIECE(S_BF16)
+        PIECE(S_KAHAN)
+        PIECE(S_STOCHASTIC)
+        PIECE(S_LIGHT)
+        PIECE(S_PLUS)
+        PIECE(S_SPLIT)
     }
-    return 0;
+#undef PIECE
 }
 
 /* Step ``count`` tensors (rows of ``table``, T_COLS int64 each) of one strategy with the
@@ -1129,7 +1124,12 @@ int collage_adamw(int strategy, int flags, int64_t count, const int64_t *table,
  * ``count`` x M_COUNT doubles (collage.metrics.FIELDS order), overwritten. */
 int collage_adamw_measured(int strategy, int flags, int64_t count, const int64_t *table,
                            const float *h, double *sums) {
-    return run_rows(1, strategy, flags, count, table, h, sums);
+    if (strategy < S_FP32 || strategy > S_SPLIT) return -1;
+    for (int64_t t = 0; t < count; t++) {
+        const int64_t *row = table + t * T_COLS;
+        run_piece(1, strategy, flags, h, row, 0, row[T_N], sums + t * M_COUNT);
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -1139,26 +1139,12 @@ int collage_adamw_measured(int strategy, int flags, int64_t count, const int64_t
 /* elements per thread at least (below it a parallel region costs more than it saves) */
 #define MIN_CHUNK 65536
 
-/* Elements [begin, end) of one row, any strategy. */
-static void run_piece(int strategy, int flags, const float *h, const int64_t *row,
-                      int64_t begin, int64_t end) {
-    int g32 = (flags & F_GRAD_FP32) != 0;
-#define PIECE(S)                                                                          \
-    case S:                                                                               \
-        if (g32) RANGE(S, 1, 0, flags, h, row, begin, end, NULL);                         \
-        else RANGE(S, 0, 0, flags, h, row, begin, end, NULL);                             \
-        break;
-    switch (strategy) {
-        PIECE(S_FP32)
-        PIECE(S_MIXED)
-        PIECE(S_BF16)
-        PIECE(S_KAHAN)
-        PIECE(S_STOCHASTIC)
-        PIECE(S_LIGHT)
-        PIECE(S_PLUS)
-        PIECE(S_SPLIT)
-    }
-#undef PIECE
+/* How many threads share ``total`` elements: at most ``threads``, each with at least
+ * MIN_CHUNK elements, at least one. */
+static int64_t thread_parts(int64_t total, int threads) {
+    int64_t parts = threads < 1 ? 1 : threads;
+    int64_t most = total / MIN_CHUNK > 0 ? total / MIN_CHUNK : 1;
+    return parts < most ? parts : most;
 }
 
 /* A cut inside a row of ``n`` elements, moved up to a multiple of 64 elements (128 bytes
@@ -1179,7 +1165,7 @@ static void run_span(int strategy, int flags, int64_t count, const int64_t *tabl
         int64_t n = row[T_N];
         int64_t begin = row_cut(lo > base ? lo - base : 0, n);
         int64_t end = row_cut(hi - base, n);
-        if (begin < end) run_piece(strategy, flags, h, row, begin, end);
+        if (begin < end) run_piece(0, strategy, flags, h, row, begin, end, NULL);
         base += n;
     }
 }
@@ -1194,8 +1180,7 @@ int collage_adamw_threads(int strategy, int flags, int64_t count, const int64_t 
     if (strategy < S_FP32 || strategy > S_SPLIT) return -1;
     int64_t total = 0;
     for (int64_t t = 0; t < count; t++) total += table[t * T_COLS + T_N];
-    int64_t parts = threads < 1 ? 1 : threads;
-    if (parts > total / MIN_CHUNK) parts = total / MIN_CHUNK > 0 ? total / MIN_CHUNK : 1;
+    int64_t parts = thread_parts(total, threads);
 #ifdef _OPENMP
     if (parts > 1) {
 #pragma omp parallel for num_threads((int)parts) schedule(static, 1)
@@ -1246,8 +1231,7 @@ static int pieces_nonfinite(int wide, int64_t count, const int64_t *table, int64
 int collage_nonfinite(int wide, int64_t count, const int64_t *table, int threads) {
     int64_t total = 0;
     for (int64_t t = 0; t < count; t++) total += table[2 * t + 1];
-    int64_t parts = threads < 1 ? 1 : threads;
-    if (parts > total / MIN_CHUNK) parts = total / MIN_CHUNK > 0 ? total / MIN_CHUNK : 1;
+    int64_t parts = thread_parts(total, threads);
     int bad = 0;
 #ifdef _OPENMP
     if (parts > 1) {
