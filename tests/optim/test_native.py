@@ -28,6 +28,7 @@ import torch
 
 import collage
 from collage.optim import fused, get_strategy, kernels, native
+from collage.optim.native_plan import NativePlan
 from collage.optim.rules import AdamWRule
 
 from ._common import bits
@@ -162,15 +163,23 @@ def _nan_master(strategy: str, pa, sa: dict, pb, sb: dict) -> torch.Tensor | Non
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The strategies native.adamw was called with (it must run)."""
+    """The strategies the native kernels stepped (it must run): by native.adamw or by a
+    group's NativePlan (the later steps of a group)."""
     seen: list[str] = []
-    original = native.adamw
+    original, original_plan = native.adamw, NativePlan.step
 
     def spy(strategy, *args, **kwargs):
         seen.append(strategy)
         return original(strategy, *args, **kwargs)
 
+    def plan_spy(self, optimizer, group, items, grad_scale):
+        done = original_plan(self, optimizer, group, items, grad_scale)
+        if done:
+            seen.append(get_strategy(group["strategy"]).name)
+        return done
+
     monkeypatch.setattr(native, "adamw", spy)
+    monkeypatch.setattr(NativePlan, "step", plan_spy)
     return seen
 
 

@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 
 from . import kernels, native
+from .native_plan import NativePlan
 
 __all__ = [
     "SMALL_NUMEL",
@@ -284,6 +285,12 @@ def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale,
     """
     if not items:
         return stats is None
+    plans = optimizer.__dict__.setdefault("_native_plans", {})
+    plan = plans.pop(index, None)
+    if plan is not None and stats is None and plan.step(optimizer, group, items, grad_scale):
+        plans[index] = plan  # the last step's table, checked (native_plan.py)
+        optimizer._fused_backend = "native"
+        return True
     device = _local(items[0][1]).device
     rule = optimizer.rule
     use_native = (device.type == "cpu" and group["foreach"] is None
@@ -334,6 +341,10 @@ def step_group(optimizer, index: int, group: dict, strategy, items, grad_scale,
         _step_native(optimizer, index, group, strategy, entries, grad_scale, maximize,
                      stats)
         optimizer._fused_backend = "native"
+        if stats is None and len(entries) == len(items):
+            plan = NativePlan.build(optimizer, group, strategy, entries)
+            if plan is not None:
+                plans[index] = plan
         return True
     optimizer._fused_backend = "inductor"
     coeffs_by_step: dict[int, tuple] = {}

@@ -87,7 +87,7 @@ __all__ = ["available", "backend", "covers", "adamw", "any_nonfinite", "STRATEGY
            "library_path"]
 
 SOURCE = Path(__file__).with_name("native_adamw.c")
-ABI = 3
+ABI = 4
 STRATEGY_CODES = {"fp32": 0, "mixed": 1, "bf16": 2, "kahan": 3, "stochastic": 4, "light": 5,
                   "plus": 6, "split": 7}
 # flags of collage_adamw (native_adamw.c)
@@ -98,6 +98,9 @@ _FLAGS = (("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "
           ("-O3", "-ffp-contract=off", "-shared", "-fPIC"))
 # a thread gets at least this many elements (below, the pool's overhead dominates)
 _MIN_CHUNK = 1 << 16
+# int64 columns of a table row (native_adamw.c T_COLS): elements, weight, gradient, exp_avg,
+# exp_avg_sq, exp_avg_sq_lo, extra, first index, key0, key1
+TABLE_COLUMNS = 10
 # the lost-update sums of one tensor (len(collage.metrics.FIELDS); native_adamw.c M_COUNT)
 _FIELDS = 11
 
@@ -260,6 +263,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.collage_adamw_measured.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.collage_adamw_measured.restype = ctypes.c_int
+    lib.collage_advance_steps.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float]
+    lib.collage_advance_steps.restype = ctypes.c_int
     return lib
 
 
@@ -384,17 +389,8 @@ def adamw(strategy: str, coeffs: Mapping[str, float], rows: Sequence[tuple], *,
                          f"({len(rows)}, {_FIELDS}), got {sums.dtype} {tuple(sums.shape)}")
     if not rows:
         return
-    decay = float(coeffs["decay"])
-    lerp = float(coeffs["one_minus_beta1"])
-    grad_fp32 = rows[0][0][1].dtype == torch.float32
-    # torch's lerp picks its formula on the float32 weight
-    flags = ((_LERP_SMALL if abs(ctypes.c_float(lerp).value) < 0.5 else 0)
-             | (_DECAY if decay != 1.0 else 0) | (_SCALED if scale is not None else 0)
-             | (_MAXIMIZE if maximize else 0) | (_GRAD_FP32 if grad_fp32 else 0))
-    h = array("f", [lerp, coeffs["beta2"], coeffs["one_minus_beta2"],
-                    coeffs["bias_correction2_sqrt"], coeffs["eps"], -coeffs["step_size"],
-                    decay, coeffs["lr_wd"], 1.0 if scale is None else scale])
     grad_dtype = rows[0][0][1].dtype
+    flags, h = arguments(coeffs, scale, maximize, grad_dtype == torch.float32)
     table = []
     for (w, g, m, v, vlo, x), first, key0, key1 in rows:  # the T_* columns of the C file
         if g.dtype != grad_dtype:
@@ -405,7 +401,8 @@ def adamw(strategy: str, coeffs: Mapping[str, float], rows: Sequence[tuple], *,
     code = STRATEGY_CODES[strategy]
     threads = torch.get_num_threads() if threads is None else threads
     if sums is None and lib.collage_native_openmp():  # the C code splits the work itself
-        _call(lib, code, flags, table, h, threads=threads)
+        call_threads(lib, code, flags, len(table), array("q", chain.from_iterable(table)),
+                     h, threads)
         return
     total = sum(r[0] for r in table)
     parts = max(1, min(threads, total // _MIN_CHUNK))
@@ -429,6 +426,38 @@ def adamw(strategy: str, coeffs: Mapping[str, float], rows: Sequence[tuple], *,
         owners = torch.tensor([o for _, chunk_owners in chunks for o in chunk_owners])
         values = torch.cat([torch.frombuffer(out, dtype=torch.float64) for out in pieces])
         sums.zero_().index_add_(0, owners, values.view(-1, _FIELDS))
+
+
+def arguments(coeffs: Mapping[str, float], scale: float | None, maximize: bool,
+              grad_fp32: bool) -> tuple[int, array]:
+    """(flags, hyperparameters) of a C call: ``coeffs`` as in :func:`adamw`, each
+    hyperparameter rounded to float32 as torch rounds a Python number."""
+    decay = float(coeffs["decay"])
+    lerp = float(coeffs["one_minus_beta1"])
+    # torch's lerp picks its formula on the float32 weight
+    flags = ((_LERP_SMALL if abs(ctypes.c_float(lerp).value) < 0.5 else 0)
+             | (_DECAY if decay != 1.0 else 0) | (_SCALED if scale is not None else 0)
+             | (_MAXIMIZE if maximize else 0) | (_GRAD_FP32 if grad_fp32 else 0))
+    h = array("f", [lerp, coeffs["beta2"], coeffs["one_minus_beta2"],
+                    coeffs["bias_correction2_sqrt"], coeffs["eps"], -coeffs["step_size"],
+                    decay, coeffs["lr_wd"], 1.0 if scale is None else scale])
+    return flags, h
+
+
+def call_threads(lib, code: int, flags: int, count: int, flat: array, h: array,
+                 threads: int) -> None:
+    """One unmeasured call of an OpenMP build: ``count`` rows of ``TABLE_COLUMNS`` int64 in
+    ``flat``, split between ``threads`` threads in C."""
+    status = lib.collage_adamw_threads(code, flags, count, flat.buffer_info()[0],
+                                       h.buffer_info()[0], threads)
+    if status != 0:  # pragma: no cover - codes come from STRATEGY_CODES
+        raise RuntimeError(f"collage_adamw_threads returned {status}")
+
+
+def advance_steps(lib, steps: array, expected: float) -> bool:
+    """Add 1 to the float32 step counters at the addresses ``steps`` if every one holds
+    ``expected`` (True); else change nothing (False)."""
+    return lib.collage_advance_steps(len(steps), steps.buffer_info()[0], expected) == 0
 
 
 def loaded() -> ctypes.CDLL | None:
@@ -461,14 +490,11 @@ def any_nonfinite(tensors: Sequence[torch.Tensor], threads: int | None = None,
 
 
 def _call(lib, code: int, flags: int, table: list[list[int]], h: array,
-          sums: int | None = None, threads: int = 1) -> None:
-    """One C call; ``sums``: the address of ``len(table)`` float64 sum vectors (measured);
-    ``threads``: OpenMP threads (unmeasured calls of an OpenMP build)."""
+          sums: int | None = None) -> None:
+    """One C call on this thread; ``sums``: the address of ``len(table)`` float64 sum
+    vectors (measured)."""
     flat = array("q", chain.from_iterable(table))
-    if threads > 1:
-        status = lib.collage_adamw_threads(code, flags, len(table), flat.buffer_info()[0],
-                                           h.buffer_info()[0], threads)
-    elif sums is None:
+    if sums is None:
         status = lib.collage_adamw(code, flags, len(table), flat.buffer_info()[0],
                                    h.buffer_info()[0])
     else:

@@ -61,7 +61,7 @@
 #define COLLAGE_AVX512 0
 #endif
 
-#define COLLAGE_ABI 3
+#define COLLAGE_ABI 4
 
 /* strategies, in collage.optim.native.STRATEGY_CODES order */
 enum { S_FP32, S_MIXED, S_BF16, S_KAHAN, S_STOCHASTIC, S_LIGHT, S_PLUS, S_SPLIT };
@@ -1191,6 +1191,22 @@ int collage_adamw_threads(int strategy, int flags, int64_t count, const int64_t 
     }
 #endif
     run_span(strategy, flags, count, table, h, 0, total);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* step counters (collage.optim.native_plan)                                              */
+/* ------------------------------------------------------------------------------------ */
+
+/* The optimizer's per-parameter step counters, float32 scalars at the addresses
+ * ``steps[0 .. count)``: if every one holds ``expected``, each becomes ``expected + 1``
+ * and 0 is returned; otherwise nothing is written and 1 is returned (someone changed a
+ * counter: the caller takes its general path). float32 counts exactly up to 2**24, as
+ * torch's own counters do. One pass in C instead of a torch op per counter. */
+int collage_advance_steps(int64_t count, const int64_t *steps, float expected) {
+    for (int64_t t = 0; t < count; t++)
+        if (*(const float *)steps[t] != expected) return 1;
+    for (int64_t t = 0; t < count; t++) *(float *)steps[t] = expected + 1.0f;
     return 0;
 }
 

@@ -1,0 +1,153 @@
+"""A group's native call, reused from step to step: its pointer table checked, not rebuilt.
+
+Why: the native kernels step the 17M parameters of the ``16m`` benchmark set in about 7 ms
+on two cores, but assembling their call in Python cost 10-18 us per tensor (0.7 ms for
+that set's 52 tensors, up to 2.7 ms for the 148 of ``100m``, 0.3 ms for the 28 small ones
+of ``small``): per tensor the state lookups, device, dtype and contiguity checks, the
+table row, and for the step counters a ``_foreach_add_`` (2.7 us per scalar CPU tensor)
+plus a ``stack().tolist()``. A step of a small model was mostly that.
+
+A :class:`NativePlan` keeps the last step's table. The next step checks, per tensor, only
+what can change between steps and costs about 1 us:
+
+* the parameters with gradients are the same objects in the same order, each with the same
+  state dict (``load_state_dict`` makes new ones);
+* the weight and every state tensor (the step counter included) still have the data
+  pointers of the table, the weight and the gradient are contiguous, the gradient has the
+  table's dtype (``p.data = ...``, a replaced state tensor or a non-contiguous gradient
+  fail the check);
+* the gradient's pointer is read into the table (``zero_grad(set_to_none=True)`` makes new
+  gradients every step);
+* the group's strategy and ``foreach``/``fused`` flags are unchanged.
+
+The step counters are advanced in C (``collage_advance_steps``), which first checks that
+every one still holds the plan's step value: a counter changed in place by the user fails
+the check and nothing is written. Any failed check returns False; the caller then takes
+its general path, which rebuilds the plan. The kernel call is the one the general path
+makes (same table, coefficients and flags), so the results are bit for bit the same
+(``tests/optim/test_native_plan.py``).
+
+Plans are made only for what the fast path needs no more for: unmeasured steps of plain
+(non-DTensor) CPU tensors on an OpenMP build of the library, every counter at one step
+value. ``COLLAGE_NATIVE_PLAN=0`` turns them off.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+
+import torch
+
+from . import native
+
+__all__ = ["NativePlan", "ENABLED"]
+
+ENABLED = os.environ.get("COLLAGE_NATIVE_PLAN", "1").strip().lower() not in (
+    "0", "false", "off", "no")
+
+# the float32 step counters count exactly up to 2**24 (the C check compares floats)
+_LAST_EXACT_STEP = 2**24 - 1
+
+
+class NativePlan:
+    """The native call of one parameter group, for the steps that follow (see the module
+    docstring). Build with :meth:`build` after a general native step; :meth:`step` runs
+    the next step or returns False having changed nothing."""
+
+    __slots__ = ("lib", "code", "strategy", "stochastic", "foreach", "fused", "params",
+                 "states", "keys", "pointers", "table", "counters", "step_value",
+                 "grad_dtype")
+
+    def __init__(self) -> None:  # use build()
+        self.step_value = 0
+
+    @classmethod
+    def build(cls, optimizer, group: dict, strategy, entries) -> NativePlan | None:
+        """A plan from the entries ``fused.step_group`` just stepped natively (all of the
+        group's parameters with gradients), or None where the fast path does not apply."""
+        lib = native.loaded()
+        if not ENABLED or lib is None or not lib.collage_native_openmp() or not entries:
+            return None
+        first = entries[0]
+        keys = tuple(key for key, _ in native._LAYOUTS[strategy.name] if key) + ("step",)
+        rows, pointers, counters = [], [], []
+        for entry in entries:
+            counter = entry.state.get("step")
+            if (entry.whole is not entry.param or entry.numel == 0 or entry.offset != 0
+                    or entry.step != first.step or entry.step > _LAST_EXACT_STEP
+                    or entry.grad.dtype != first.grad.dtype or counter is None
+                    or counter.dtype != torch.float32 or counter.device.type != "cpu"
+                    or counter.numel() != 1):
+                return None
+            w, _, m, v, vlo, x = entry.native
+            rows.extend((entry.numel, w.data_ptr(), 0, m.data_ptr(), v.data_ptr(),
+                         0 if vlo is None else vlo.data_ptr(),
+                         0 if x is None else x.data_ptr(), 0, 0, 0))
+            pointers.append((entry.whole.data_ptr(),
+                             *[entry.state[key].data_ptr() for key in keys]))
+            counters.append(counter.data_ptr())
+        plan = cls()
+        plan.lib = lib
+        plan.code = native.STRATEGY_CODES[strategy.name]
+        plan.strategy = group["strategy"]
+        plan.stochastic = strategy.name == "stochastic"
+        plan.foreach, plan.fused = group["foreach"], group["fused"]
+        plan.params = [entry.whole for entry in entries]
+        plan.states = [entry.state for entry in entries]
+        plan.keys = keys
+        plan.pointers = pointers
+        plan.table = array("q", rows)
+        plan.counters = array("q", counters)
+        plan.step_value = first.step
+        plan.grad_dtype = first.grad.dtype
+        return plan
+
+    def step(self, optimizer, group: dict, items, grad_scale) -> bool:
+        """Step ``items`` (``(name, param, grad)``, the group's parameters with gradients)
+        if the plan still describes them; False (nothing changed) otherwise."""
+        if (len(items) != len(self.params) or group["strategy"] != self.strategy
+                or group["foreach"] is not self.foreach or group["fused"] is not self.fused):
+            return False
+        grads = self._gradient_pointers(optimizer, items)
+        if grads is None:
+            return False
+        columns = native.TABLE_COLUMNS
+        self.table[2::columns] = grads
+        step = self.step_value + 1
+        if self.stochastic:  # the draws' keys depend on the step
+            from .fused import stochastic_key
+
+            for row, param in enumerate(self.params):
+                key0, key1 = stochastic_key(optimizer, param, step)
+                self.table[row * columns + 8] = key0
+                self.table[row * columns + 9] = key1
+        scale = None if grad_scale is None else float(grad_scale)
+        flags, h = native.arguments(optimizer.rule.coefficients(group, step), scale,
+                                    bool(group.get("maximize", False)),
+                                    self.grad_dtype == torch.float32)
+        if not native.advance_steps(self.lib, self.counters, float(self.step_value)):
+            return False  # a counter was changed: the general path reads them all
+        native.call_threads(self.lib, self.code, flags, len(self.params), self.table, h,
+                            torch.get_num_threads())
+        self.step_value = step
+        return True
+
+    def _gradient_pointers(self, optimizer, items) -> array | None:
+        """The gradients' data pointers, or None if a check of the module docstring fails."""
+        state_of, keys, grad_dtype = optimizer.state, self.keys, self.grad_dtype
+        grads = array("q")
+        for (_, param, grad), known, state, pointers in zip(items, self.params, self.states,
+                                                            self.pointers):
+            if (param is not known or state_of.get(param) is not state
+                    or grad.dtype != grad_dtype or not grad.is_contiguous()
+                    or not param.is_contiguous()):
+                return None
+            try:
+                now = (param.data_ptr(), *[state[key].data_ptr() for key in keys])
+            except KeyError:
+                return None
+            if now != pointers:
+                return None
+            grads.append(grad.data_ptr())
+        return grads

@@ -1,0 +1,180 @@
+"""The native plan (``collage.optim.native_plan``): a group's later steps reuse its pointer
+table after cheap checks. Its steps must be the general native path's bits (the twin
+optimizer below runs with plans off), and every change the checks exist for must be noticed:
+the step then takes the general path, and no stale pointer is written (the replaced tensors
+keep their bits)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import collage
+from collage.optim import native, native_plan
+from collage.optim.native_plan import NativePlan
+
+from ._common import bits
+
+pytestmark = pytest.mark.skipif(
+    not native.available() or not native.loaded().collage_native_openmp(),
+    reason="plans need the native kernels built with OpenMP")
+
+STRATEGIES = ("fp32", "mixed", "bf16", "kahan", "stochastic", "light", "plus", "split")
+# a vector, a matrix, one tensor above 2 x 65,536 elements (two threads cut it)
+SHAPES = ((7,), (33, 5), (300, 500))
+STEPS = 5
+
+
+def _model(strategy: str, seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.float32 if strategy == "fp32" else torch.bfloat16
+    return [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.5).to(dtype)) for s in SHAPES]
+
+
+def _grads(params, step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return [(torch.randn(p.shape, generator=gen) * 1e-2).to(p.dtype) for p in params]
+
+
+def _optimizer(strategy: str, params) -> collage.AdamW:
+    groups = [{"params": params[:2], "weight_decay": 0.0},
+              {"params": params[2:], "weight_decay": 0.1, "betas": (0.8, 0.95)}]
+    return collage.AdamW(groups, lr=1e-2, strategy=strategy, nonfinite="ignore")
+
+
+class _PlanSteps:
+    """Counts the steps a plan took (the general path's steps are not counted)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        original = NativePlan.step
+
+        def counted(plan, *args):
+            done = original(plan, *args)
+            self.count += int(done)
+            return done
+
+        monkeypatch.setattr(NativePlan, "step", counted)
+
+
+def _train(strategy: str, plans: bool, monkeypatch, change=None):
+    """STEPS steps with a new learning rate each; ``change(opt, params, step)`` runs before
+    step 3 and may return tensors that must not change afterwards."""
+    monkeypatch.setattr(native_plan, "ENABLED", plans)
+    params = _model(strategy)
+    opt = _optimizer(strategy, params)
+    frozen = []
+    for step in range(STEPS):
+        for p, g in zip(params, _grads(params, step)):
+            p.grad = g
+        if change is not None and step == 3:
+            kept = change(opt, params) or []
+            frozen = [(t, t.clone()) for t in kept]
+        opt.step()
+        assert opt._fused_backend == "native"
+        for group in opt.param_groups:
+            group["lr"] *= 0.7
+    for old, snapshot in frozen:  # the plan never wrote through a stale pointer
+        assert torch.equal(bits(old), bits(snapshot))
+    return params, opt
+
+
+def _assert_same(params, opt, twin_params, twin_opt) -> None:
+    for p, q in zip(params, twin_params):
+        assert torch.equal(bits(p.detach()), bits(q.detach()))
+        state, twin_state = opt.state[p], twin_opt.state[q]
+        assert state.keys() == twin_state.keys()
+        for key in state:
+            assert torch.equal(bits(state[key]), bits(twin_state[key])), key
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_plan_steps_are_the_general_paths_bits(strategy: str, monkeypatch) -> None:
+    plan_steps = _PlanSteps(monkeypatch)
+    twin = _train(strategy, False, monkeypatch)
+    assert plan_steps.count == 0
+    params, opt = _train(strategy, True, monkeypatch)
+    assert plan_steps.count == 2 * (STEPS - 1)  # two groups, every step after the first
+    _assert_same(params, opt, *twin)
+    assert all(float(opt.state[p]["step"]) == STEPS for p in params)
+
+
+def _replace_weight(opt, params):
+    old = params[2].data
+    params[2].data = old.clone()
+    return [old]
+
+
+def _replace_state_tensor(opt, params):
+    state = opt.state[params[2]]
+    old = state["exp_avg"]
+    state["exp_avg"] = old.clone()
+    return [old]
+
+
+def _change_step_counter(opt, params):
+    opt.state[params[0]]["step"].fill_(10.0)  # checked in C before anything is written
+
+
+def _load_state_dict(opt, params):
+    old = [t for p in params for t in opt.state[p].values()]
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    return old
+
+
+def _drop_a_gradient(opt, params):
+    params[1].grad = None
+
+
+def _non_contiguous_gradient(opt, params):
+    params[1].grad = params[1].grad.t().contiguous().t()
+
+
+CHANGES = {"weight replaced": _replace_weight, "state tensor replaced": _replace_state_tensor,
+           "step counter changed": _change_step_counter, "load_state_dict": _load_state_dict,
+           "gradient missing": _drop_a_gradient,
+           "non-contiguous gradient": _non_contiguous_gradient}
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=str)
+@pytest.mark.parametrize("strategy", ("stochastic", "plus"))
+def test_plan_notices_what_changed(strategy: str, change: str, monkeypatch) -> None:
+    plan_steps = _PlanSteps(monkeypatch)
+    twin = _train(strategy, False, monkeypatch, CHANGES[change])
+    params, opt = _train(strategy, True, monkeypatch, CHANGES[change])
+    _assert_same(params, opt, *twin)
+    # steps 1-2 of both groups ran by plan; step 3 of the changed group did not; step 4
+    # ran by a rebuilt plan where the general path of step 3 could build one
+    assert 5 <= plan_steps.count <= 7
+
+
+def test_counters_at_the_float32_limit_take_the_general_path(monkeypatch) -> None:
+    """float32 counters are exact up to 2**24: no plan is made beyond (the general path
+    counts as torch's own counters do)."""
+    plan_steps = _PlanSteps(monkeypatch)
+    params = _model("light")
+    opt = _optimizer("light", params)
+    for p, g in zip(params, _grads(params, 0)):
+        p.grad = g
+    opt.step()
+    for p in params:
+        opt.state[p]["step"].fill_(2.0**24)
+    opt.step()  # the plan sees a changed counter; the general path makes none at 2**24 + 1
+    opt.step()
+    assert plan_steps.count == 0
+
+
+def test_switch_off_by_environment() -> None:
+    """COLLAGE_NATIVE_PLAN=0 (read at import) turns plans off."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from collage.optim import native_plan; print(native_plan.ENABLED)"
+    for value, expected in (("0", "False"), ("off", "False"), ("1", "True")):
+        env = {**os.environ, "COLLAGE_NATIVE_PLAN": value}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, check=True)
+        assert done.stdout.strip() == expected
