@@ -265,6 +265,9 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.collage_adamw_measured.restype = ctypes.c_int
     lib.collage_advance_steps.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float]
     lib.collage_advance_steps.restype = ctypes.c_int
+    lib.collage_stochastic_round.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.collage_stochastic_round.restype = ctypes.c_int
     return lib
 
 

@@ -492,57 +492,62 @@ static inline __m512i v_mix32(__m512i x) {
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-/* fused.counter_uniform of the elements ``first + offsets`` */
-static inline __m512 v_uniform_at(int64_t first, __m512i offsets, int64_t key0, int64_t key1) {
+/* The 24-bit draw D of fused.counter_uniform (draw = D * 2**-24) of the elements
+ * ``first + offsets``, as the top 16 bits that bf16 stochastic rounding compares:
+ * D >> 8 = hash >> 16 (see v_stochastic32) */
+static inline __m512i v_draw16_at(int64_t first, __m512i offsets, int64_t key0,
+                                  int64_t key1) {
     __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)first), offsets);
     __m512i hsh = v_mix32(_mm512_xor_si512(index, _mm512_set1_epi32((int)(uint32_t)key0)));
     hsh = v_mix32(_mm512_xor_si512(hsh, _mm512_set1_epi32((int)(uint32_t)key1)));
-    __m512i top = _mm512_srli_epi32(hsh, 8);
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(top), _mm512_set1_ps(0x1p-24f));
+    return _mm512_srli_epi32(hsh, 16);
 }
 
-static inline __m512 v_uniform(int64_t first, int64_t key0, int64_t key1) {
-    return v_uniform_at(
+static inline __m512i v_draw16(int64_t first, int64_t key0, int64_t key1) {
+    return v_draw16_at(
         first, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         key0, key1);
 }
 
-/* bf_stochastic on 16 lanes: the 16-bit results in the low halves of the int32 lanes */
-static inline __attribute__((always_inline)) __m512i v_stochastic32(
-    __m512 x, __m512 draw, const int exact, __mmask16 *bad) {
-    __m512 zero = _mm512_setzero_ps();
-    __m512 nearest = v_widen(v_round(x, exact, bad));
-    __m512 error = _mm512_sub_ps(x, nearest);
-    __mmask16 finite = v_finite(nearest);
-    __m512i bits = _mm512_maskz_mov_epi32(finite, _mm512_castps_si512(nearest));
-    __mmask16 err_pos = _mm512_cmp_ps_mask(error, zero, _CMP_GT_OQ);
-    __mmask16 near_pos = _mm512_cmp_ps_mask(nearest, zero, _CMP_GT_OQ);
-    __mmask16 near_zero = _mm512_cmp_ps_mask(nearest, zero, _CMP_EQ_OQ);
-    __mmask16 away = (__mmask16)(~(err_pos ^ near_pos) | near_zero);
-    __m512i step = _mm512_mask_mov_epi32(_mm512_set1_epi32((int)0xFFFF0000u), away,
-                                         _mm512_set1_epi32(0x10000));
-    __mmask16 err_neg = _mm512_cmp_ps_mask(error, zero, _CMP_LT_OQ);
-    __m512i tiny = _mm512_mask_mov_epi32(_mm512_set1_epi32(0x10000), err_neg,
-                                         _mm512_set1_epi32((int)0x80010000u));
-    __m512 neighbour = _mm512_castsi512_ps(
-        _mm512_mask_mov_epi32(_mm512_add_epi32(bits, step), near_zero, tiny));
-    __m512 spacing = _mm512_abs_ps(_mm512_sub_ps(neighbour, nearest));
-    /* |error| / spacing, computed exactly as a scaling: adjacent bf16 values differ by a
-     * power of two, so dividing by it is x * 2**-getexp(spacing), one rounding (only when
-     * the quotient is subnormal), as the division rounds. An infinite spacing (overflow) is
-     * masked below. */
-    __m512 probability = _mm512_scalef_ps(_mm512_abs_ps(error),
-                                          _mm512_sub_ps(zero, _mm512_getexp_ps(spacing)));
-    __mmask16 take = _mm512_cmp_ps_mask(draw, probability, _CMP_LT_OQ)
-                     & _mm512_cmp_ps_mask(error, zero, _CMP_NEQ_OQ)
-                     & v_finite(spacing) & finite;
-    __m512 out = _mm512_mask_mov_ps(nearest, take, neighbour);
-    return _mm512_srli_epi32(_mm512_castps_si512(out), 16);
+/* bf_stochastic on 16 lanes, bit for bit, in integer arithmetic: the 16-bit results in
+ * the low halves of the int32 lanes. Why it is the same: with t = |x|'s bits >> 16 (x
+ * truncated), L = its low 16 bits and d = the draw's top 16 bits, bf_stochastic's
+ * ``draw < |error| / spacing`` reads
+ *   nearest rounded down (t):   |error| / spacing = L / 2**16, so it steps up to t + 1
+ *                               iff D < 256 L iff d < L (256 L is a multiple of 256);
+ *   nearest rounded up (t + 1): |error| / spacing = (2**16 - L) / 2**16, so it steps down
+ *                               to t iff d < 2**16 - L, i.e. stays at t + 1 iff
+ *                               d + L >= 2**16;
+ * exact quotients: the error is exact (Sterbenz) and the spacing a power of two. bf16
+ * magnitudes that neighbour are neighbouring integers, across binades and subnormals
+ * alike, and round to nearest even went up iff L + 0x7FFF + (t & 1) carries into bit 16
+ * (bf_round). Infinities: x infinite or rounding to infinity keeps its nearest value, and a
+ * step up to infinity is not taken (bf_stochastic's spacing is then infinite); NaN gives
+ * 0xFFFF (bf_round). No float operation: nothing to redo for subnormal or NaN lanes. */
+static inline __attribute__((always_inline)) __m512i v_stochastic32(__m512 x, __m512i d) {
+    const __m512i one = _mm512_set1_epi32(1), carry = _mm512_set1_epi32(0x10000);
+    const __m512i inf = _mm512_set1_epi32(0x7F80);
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+    __m512i t = _mm512_srli_epi32(mag, 16);
+    __m512i low = _mm512_and_si512(mag, _mm512_set1_epi32(0xFFFF));
+    __m512i rne = _mm512_add_epi32(_mm512_add_epi32(low, _mm512_set1_epi32(0x7FFF)),
+                                   _mm512_and_si512(t, one));
+    __mmask16 rounded_up = _mm512_cmpge_epu32_mask(rne, carry);
+    __mmask16 up = (__mmask16)((rounded_up
+                                & _mm512_cmpge_epu32_mask(_mm512_add_epi32(d, low), carry))
+                               | (~rounded_up & _mm512_cmplt_epu32_mask(d, low)));
+    __m512i nearest = _mm512_mask_add_epi32(t, rounded_up, t, one);
+    __m512i out = _mm512_mask_add_epi32(t, up, t, one);
+    __mmask16 keep = _mm512_cmpge_epu32_mask(nearest, inf) | _mm512_cmpge_epu32_mask(out, inf);
+    out = _mm512_mask_mov_epi32(out, keep, nearest);
+    out = _mm512_or_si512(out, _mm512_srli_epi32(_mm512_andnot_si512(mag, bits), 16));
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32(0x7F800000));
+    return _mm512_mask_mov_epi32(out, nan, _mm512_set1_epi32(0xFFFF));
 }
 
-static inline __attribute__((always_inline)) __m256i v_stochastic(
-    __m512 x, __m512 draw, const int exact, __mmask16 *bad) {
-    return v_narrow(v_stochastic32(x, draw, exact, bad));
+static inline __attribute__((always_inline)) __m256i v_stochastic(__m512 x, __m512i d) {
+    return v_narrow(v_stochastic32(x, d));
 }
 
 /* split_decode on 16 lanes of zero-extended words: (w - (low > 0x8000)) << 16 | low (the
@@ -595,7 +600,7 @@ static inline __attribute__((always_inline)) __mmask16 vector_land(
         break;
     case S_STOCHASTIC:
         o->w = v_stochastic(_mm512_add_ps(_mm512_mask_mul_ps(W, c->decays, W, c->decay), u),
-                            v_uniform(r.index + i, r.key0, r.key1), exact, &bad);
+                            v_draw16(r.index + i, r.key0, r.key1));
         break;
     case S_KAHAN: { /* X: the compensation */
         /* (-W) * lr_wd, or +0 without decay (the foreach path adds u to zeros) */
@@ -892,11 +897,9 @@ static inline __attribute__((always_inline)) __mmask16 pair_land(
                                          28, 30);
         __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
         __m512i e = v_stochastic32(v_decayed(c, W.e, u.e),
-                                   v_uniform_at(r.index + i, even, r.key0, r.key1), exact,
-                                   &bad);
+                                   v_draw16_at(r.index + i, even, r.key0, r.key1));
         __m512i od = v_stochastic32(v_decayed(c, W.o, u.o),
-                                    v_uniform_at(r.index + i, odd, r.key0, r.key1), exact,
-                                    &bad);
+                                    v_draw16_at(r.index + i, odd, r.key0, r.key1));
         o->w = v_pack(e, od);
         break;
     }
@@ -1191,6 +1194,28 @@ int collage_adamw_threads(int strategy, int flags, int64_t count, const int64_t 
     }
 #endif
     run_span(strategy, flags, count, table, h, 0, total);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* test hook: the kernels' bf16 stochastic rounding on its own                            */
+/* ------------------------------------------------------------------------------------ */
+
+/* out[j] = bf16 stochastic rounding of x[j] with the draw of element ``first + j``
+ * (fused.counter_uniform keyed by key0, key1): the vector routine on whole vectors of 16,
+ * bf_stochastic on the tail (and everywhere in the portable build). For tests. */
+int collage_stochastic_round(const float *x, int64_t n, int64_t first, int64_t key0,
+                             int64_t key1, uint16_t *out) {
+    int64_t j = 0;
+#if COLLAGE_AVX512
+    for (; j + 16 <= n; j += 16)
+        _mm256_storeu_si256((__m256i *)(out + j),
+                            v_stochastic(_mm512_loadu_ps(x + j), v_draw16(first + j, key0,
+                                                                            key1)));
+#endif
+    for (; j < n; j++)
+        out[j] = bf_stochastic(x[j], uniform((uint32_t)(first + j), (uint32_t)key0,
+                                             (uint32_t)key1));
     return 0;
 }
 
