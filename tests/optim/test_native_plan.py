@@ -151,8 +151,8 @@ def test_plan_notices_what_changed(strategy: str, change: str, monkeypatch) -> N
 
 
 def test_counters_at_the_float32_limit_take_the_general_path(monkeypatch) -> None:
-    """float32 counters are exact up to 2**24: no plan is made beyond (the general path
-    counts as torch's own counters do)."""
+    """float32 counters count exactly up to 2**24 (torch's stop there: + 1 rounds back):
+    plans step while the next count is exact, the general path after."""
     plan_steps = _PlanSteps(monkeypatch)
     params = _model("light")
     opt = _optimizer("light", params)
@@ -160,10 +160,15 @@ def test_counters_at_the_float32_limit_take_the_general_path(monkeypatch) -> Non
         p.grad = g
     opt.step()
     for p in params:
-        opt.state[p]["step"].fill_(2.0**24)
-    opt.step()  # the plan sees a changed counter; the general path makes none at 2**24 + 1
-    opt.step()
+        opt.state[p]["step"].fill_(2.0**24 - 2)
+    opt.step()  # the plan sees changed counters: the general path, to 2**24 - 1, a plan
     assert plan_steps.count == 0
+    opt.step()  # the plan: to 2**24
+    assert plan_steps.count == 2  # both groups
+    opt.step()  # past the exact range: the general path (2**24 + 1 rounds to 2**24)
+    opt.step()
+    assert plan_steps.count == 2
+    assert all(float(opt.state[p]["step"]) == 2.0**24 for p in params)
 
 
 def test_switch_off_by_environment() -> None:
@@ -178,3 +183,17 @@ def test_switch_off_by_environment() -> None:
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                               text=True, check=True)
         assert done.stdout.strip() == expected
+
+
+def test_load_state_dict_drops_the_plans(monkeypatch) -> None:
+    """A plan holds its group's state dicts: loading drops it, so the old state tensors are
+    freed at once, not at the group's next step."""
+    import gc
+    import weakref
+
+    params, opt = _train("plus", True, monkeypatch)
+    assert opt._native_plans
+    old = weakref.ref(opt.state[params[0]]["exp_avg"])
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    gc.collect()
+    assert old() is None

@@ -537,6 +537,9 @@ class CollageOptimizer(Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("collage", None)
         saved_state = state_dict["state"]
+        # the native plans hold the old state dicts: drop them before loading, or the old
+        # tensors would live beside the new ones until each group's next step
+        self.__dict__.pop("_native_plans", None)
         self._check_same_strategies(state_dict["param_groups"])
         super().load_state_dict(state_dict)
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])

@@ -37,7 +37,8 @@ foreach with one warning); a failed build warns once. ``fused=None`` on CPU sele
 fused path only where these kernels are available and cover the group.
 
 **Batching and threads.** One C call per (group, step value, gradient dtype): a table of
-pointers and lengths, no concatenation, no per-tensor kernel launch. With
+pointers and lengths, no concatenation, no per-tensor kernel launch; a group's later steps
+reuse its table after cheap checks (``native_plan.NativePlan``). With
 ``torch.get_num_threads() > 1`` the elements are split into that many ranges (at least
 65,536 elements each, cut on multiples of 64 elements of a tensor). An OpenMP build splits
 them in C with ``#pragma omp parallel``: loaded after torch, whose GNU OpenMP runtime has

@@ -29,7 +29,8 @@ makes (same table, coefficients and flags), so the results are bit for bit the s
 
 Plans are made only for what the fast path needs no more for: unmeasured steps of plain
 (non-DTensor) CPU tensors on an OpenMP build of the library, every counter at one step
-value. ``COLLAGE_NATIVE_PLAN=0`` turns them off.
+value below 2**24. A plan holds its group's state dicts, so ``load_state_dict`` drops the
+plans first (the old tensors are freed at once). ``COLLAGE_NATIVE_PLAN=0`` turns them off.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ __all__ = ["NativePlan", "ENABLED"]
 ENABLED = os.environ.get("COLLAGE_NATIVE_PLAN", "1").strip().lower() not in (
     "0", "false", "off", "no")
 
-# the float32 step counters count exactly up to 2**24 (the C check compares floats)
-_LAST_EXACT_STEP = 2**24 - 1
+# float32 step counters count exactly up to 2**24 (then + 1 rounds back: torch's counters
+# stop there, and the C check compares floats): plans step while the next count is exact
+_MAX_STEP = 2**24
 
 
 class NativePlan:
@@ -75,7 +77,7 @@ class NativePlan:
         for entry in entries:
             counter = entry.state.get("step")
             if (entry.whole is not entry.param or entry.numel == 0 or entry.offset != 0
-                    or entry.step != first.step or entry.step > _LAST_EXACT_STEP
+                    or entry.step != first.step or entry.step >= _MAX_STEP
                     or entry.grad.dtype != first.grad.dtype or counter is None
                     or counter.dtype != torch.float32 or counter.device.type != "cpu"
                     or counter.numel() != 1):
@@ -106,7 +108,8 @@ class NativePlan:
     def step(self, optimizer, group: dict, items, grad_scale) -> bool:
         """Step ``items`` (``(name, param, grad)``, the group's parameters with gradients)
         if the plan still describes them; False (nothing changed) otherwise."""
-        if (len(items) != len(self.params) or group["strategy"] != self.strategy
+        if (len(items) != len(self.params) or self.step_value >= _MAX_STEP
+                or group["strategy"] != self.strategy
                 or group["foreach"] is not self.foreach or group["fused"] is not self.fused):
             return False
         grads = self._gradient_pointers(optimizer, items)
