@@ -59,14 +59,15 @@ def test_gpt_shapes_cover_sizes():
 @needs_compiler
 def test_bench_train_smoke(capsys):
     code = main(["bench", "train", "--preset", "micro", "--modes", "autocast,plus",
-                 "--steps", "1", "--warmup", "0", "--json", "--threads", "1", "--rounds", "2"])
+                 "--steps", "3", "--warmup", "0", "--json", "--threads", "1", "--rounds", "2"])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     modes = [r["mode"] for r in result["rows"]]
     assert modes == ["autocast", "plus"]
-    for row in result["rows"]:  # two rounds: the median of two, ratios within a round
-        assert len(row["tokens_per_s_rounds"]) == 2
-        assert row["tokens_per_s"] == pytest.approx(sum(row["tokens_per_s_rounds"]) / 2)
+    for row in result["rows"]:  # two speed rounds of three steps each
+        assert len(row["tokens_per_s_rounds"]) == 2 and row["step_s"]["n"] == 6
+        assert row["tokens_per_s"] == pytest.approx(
+            row["tokens_per_step"] / row["step_s"]["median"])
     assert result["rows"][0]["tokens_per_s_vs_autocast_rounds"] == [1.0, 1.0]
     for row in result["rows"]:
         assert row["tokens_per_s"] > 0 and row["persistent_bytes"] > 0
@@ -78,6 +79,28 @@ def test_bench_train_smoke(capsys):
                                                      rel=0.001)
     assert {c["check"] for c in result["checks"]} == {
         "plus tokens/s >= autocast tokens/s", "plus peak memory <= 0.85 x autocast"}
+
+
+def test_speed_worker_interleaves_the_modes(monkeypatch):
+    """Step k of every mode, the order rotated by k: no mode is always first."""
+    from collage.bench import train
+
+    order = []
+
+    class Recorder:
+        def __init__(self, mode, *args, **kwargs):
+            self.mode = mode
+
+        def step(self):
+            order.append(self.mode)
+            return 1.0
+
+    monkeypatch.setattr(train, "_Trainer", Recorder)
+    monkeypatch.setattr(train, "_compile_kernels", lambda mode, cfg: None)
+    done = train.speed_worker({"modes": ["a", "b", "c"], "preset": "micro", "model": {},
+                               "batch": 2, "steps": 3, "warmup": 1, "threads": None})
+    assert order == ["a", "b", "c"] + ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert done == {"times": {m: [1.0, 1.0, 1.0] for m in "abc"}}
 
 
 def _late_params():

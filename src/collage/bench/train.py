@@ -1,18 +1,26 @@
 """``collage bench train``: tokens/s and peak memory of a GPT per strategy, beside
 ``torch.autocast(bfloat16)`` with float32 weights, in one run.
 
-Every mode runs in a fresh process (peak memory is per process), ``--rounds`` times (default
-3) with the order of the modes rotated each round; tokens/s is the median over the rounds,
-its ratio to autocast the median of the ratios within a round. A mode first compiles the
-optimizer's kernels on a tiny model (so compilation is neither timed nor counted), records
-its resident set, builds the model, and trains ``warmup + steps`` steps on random tokens
-with a learning rate that changes every step (as a schedule does). Tokens/s covers the timed
-steps (forward, backward, optimizer step, zero_grad); peak memory is the most bytes held
-by tensors during one more (untimed) step, measured by the allocator
-(:class:`collage.train.memory.TensorMemoryProbe`: weights, gradients, states, activations,
-autocast's bf16 weight copies, temporaries); ``persistent`` counts the tensors that live
-across steps; the resident set's growth (sampled every millisecond, minus the resident set
-before the model was built) is reported beside it.
+Memory: every mode in its own fresh process (peak memory is per process): it first
+compiles the optimizer's kernels on a tiny model (so compilation is neither timed nor
+counted), records its resident set, builds the model, trains ``warmup`` steps (at least
+one) and then one more step under the allocator's count: peak memory is the most bytes held
+by tensors during that step (:class:`collage.train.memory.TensorMemoryProbe`: weights,
+gradients, states, activations, autocast's bf16 weight copies, temporaries);
+``persistent`` counts the tensors that live across steps; the resident set's growth
+(sampled every millisecond, minus the resident set before the model was built) is reported
+beside it.
+
+Speed: ``--rounds`` fresh processes (default 3), each holding every mode's model and
+optimizer side by side and stepping them interleaved: ``warmup`` untimed steps each, then
+``steps`` timed steps each (step k of every mode, the order rotated by k and by round), on
+random tokens with a learning rate that changes every step (as a schedule does). Why
+interleaved: this shared machine's speed drifts by 10-20 % between processes, more than
+the differences measured, so modes timed in separate processes compared the machine's
+moods; steps of different modes taken moments apart share them. Tokens/s is the median
+over every timed step (forward, backward, optimizer step, zero_grad); the ratio to
+autocast the median over the steps of autocast's time at the same round and index over the
+mode's.
 
 Modes: ``fp32`` (float32 weights, torch.optim.AdamW fused), ``autocast`` (float32 weights,
 bf16 autocast, torch.optim.AdamW fused) and every collage strategy (bf16 weights, fused
@@ -97,128 +105,170 @@ def _optimizer(mode: str, model: torch.nn.Module, lr: float):
                          fused=True)
 
 
-def _train(mode: str, model_cfg, batch: int, steps: int, seed: int, probe: bool = False):
-    """Train ``steps`` steps; returns (model, optimizer, per-step times, probe). With
-    ``probe`` one more step runs, untimed, under a :class:`TensorMemoryProbe` (the peak bytes
-    held by tensors during a step, measured by the allocator)."""
-    import torch.nn.functional as F
+class _Trainer:
+    """One mode's model, optimizer and token stream; :meth:`step` trains one step (a new
+    learning rate each, as a schedule does) and returns its seconds."""
 
-    from ..train.data import VOCAB_SIZE
-    from ..train.memory import TensorMemoryProbe, persistent_bytes
-    from ..train.models import build_model
+    def __init__(self, mode: str, model_cfg, batch: int, seed: int) -> None:
+        from ..train.data import VOCAB_SIZE
+        from ..train.models import build_model
 
-    model = build_model(model_cfg, VOCAB_SIZE, seed=seed)
-    if mode not in ("fp32", "autocast"):
-        model = model.to(torch.bfloat16)
-    lr = 1e-3
-    optimizer = _optimizer(mode, model, lr)
-    generator = torch.Generator().manual_seed(seed)
-    context = model_cfg.context
-    times, probed = [], None
-    for step in range(steps + int(probe)):
-        if step == steps:  # the extra, measured step
-            probed = TensorMemoryProbe(torch.device("cpu"),
-                                       persistent_bytes(model, optimizer)["total"])
-            probed.__enter__()
-        tokens = torch.randint(0, VOCAB_SIZE, (batch, context + 1), generator=generator)
+        self.mode, self.batch, self.context = mode, batch, model_cfg.context
+        self.vocab = VOCAB_SIZE
+        self.model = build_model(model_cfg, VOCAB_SIZE, seed=seed)
+        if mode not in ("fp32", "autocast"):
+            self.model = self.model.to(torch.bfloat16)
+        self.lr = 1e-3
+        self.optimizer = _optimizer(mode, self.model, self.lr)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.index = 0
+
+    def step(self) -> float:
+        import torch.nn.functional as F
+
+        tokens = torch.randint(0, self.vocab, (self.batch, self.context + 1),
+                               generator=self.generator)
         x, y = tokens[:, :-1], tokens[:, 1:]
         started = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
-            logits = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.mode == "autocast"):
+            logits = self.model(x)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
-        for group in optimizer.param_groups:  # a schedule: a new lr every step
-            group["lr"] = lr * (0.5 + 0.5 * (step % 10) / 10)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step == steps:
-            probed.__exit__(None, None, None)
-        else:
-            times.append(time.perf_counter() - started)
-    return model, optimizer, times, probed
+        for group in self.optimizer.param_groups:  # a schedule: a new lr every step
+            group["lr"] = self.lr * (0.5 + 0.5 * (self.index % 10) / 10)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.index += 1
+        return time.perf_counter() - started
+
+
+def _compile_kernels(mode: str, model_cfg) -> None:
+    """Two steps on a tiny model: the optimizer's kernels are compiled (dynamic shapes) and
+    the native library loaded before anything is timed or counted."""
+    tiny = dataclasses.replace(model_cfg, d_model=32, n_layers=1, n_heads=2)
+    trainer = _Trainer(mode, tiny, 2, seed=1)
+    trainer.step()
+    trainer.step()
 
 
 def worker(spec: dict) -> dict:
-    """One mode in this process (called in a fresh interpreter by :func:`run`)."""
-    from ..train.memory import persistent_bytes
-    from ..train.models import build_model  # noqa: F401 (import cost outside the timing)
+    """Memory of one mode, in this process (a fresh interpreter, see :func:`run`): after
+    ``warmup`` steps (at least one: the optimizer's states exist), one step under a
+    :class:`TensorMemoryProbe` (the peak bytes held by tensors, by the allocator)."""
+    from ..train.memory import TensorMemoryProbe, persistent_bytes
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     mode = spec["mode"]
     model_cfg, _ = _model_config(spec["preset"], spec["model"])
-    tiny = dataclasses.replace(model_cfg, d_model=32, n_layers=1, n_heads=2)
-    _train(mode, tiny, 2, 2, seed=1)  # compiles the optimizer kernels (dynamic shapes)
+    _compile_kernels(mode, model_cfg)
     gc.collect()
     sampler = _PeakRSS()
     before = sampler.read()
     with sampler:
-        model, optimizer, times, probed = _train(mode, model_cfg, spec["batch"],
-                                                 spec["warmup"] + spec["steps"], seed=0,
-                                                 probe=True)
-    persistent = persistent_bytes(model, optimizer)
-    timed = times[spec["warmup"]:]
-    tokens = spec["batch"] * model_cfg.context
+        trainer = _Trainer(mode, model_cfg, spec["batch"], seed=0)
+        for _ in range(max(1, spec["warmup"])):
+            trainer.step()
+        probe = TensorMemoryProbe(torch.device("cpu"),
+                                  persistent_bytes(trainer.model, trainer.optimizer)["total"])
+        with probe:
+            trainer.step()
+    persistent = persistent_bytes(trainer.model, trainer.optimizer)
     return {
         "mode": mode,
         "n_params": persistent["n_params"],
-        "tokens_per_step": tokens,
-        "step_s": common.summary(timed),
-        "tokens_per_s": tokens / statistics.median(timed),
-        "peak_bytes": probed.peak_bytes,
+        "tokens_per_step": spec["batch"] * model_cfg.context,
+        "peak_bytes": probe.peak_bytes,
         "peak_rss_delta_bytes": sampler.peak - before,
         "persistent_bytes": persistent["model_total"],
     }
 
 
-def _run_mode(spec: dict, quiet: bool) -> dict:
-    """One mode in a fresh interpreter."""
-    code = ("import json, sys; from collage.bench.train import worker; "
-            "print(json.dumps(worker(json.loads(sys.argv[1]))))")
-    started = time.perf_counter()
+def speed_worker(spec: dict) -> dict:
+    """Speed of every mode of ``spec["modes"]`` in this process (a fresh interpreter): each
+    mode's model and optimizer side by side, ``warmup`` untimed steps each, then ``steps``
+    timed steps each, interleaved (step k of every mode, the order rotated by k), so the
+    modes share the machine's state of the moment. Returns each mode's step times."""
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    modes = spec["modes"]
+    model_cfg, _ = _model_config(spec["preset"], spec["model"])
+    for mode in modes:
+        _compile_kernels(mode, model_cfg)
+    trainers = {mode: _Trainer(mode, model_cfg, spec["batch"], seed=0) for mode in modes}
+    for _ in range(spec["warmup"]):
+        for trainer in trainers.values():
+            trainer.step()
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for k in range(spec["steps"]):
+        shift = k % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            times[mode].append(trainers[mode].step())
+    return {"times": times}
+
+
+def _run_process(function: str, spec: dict) -> dict:
+    """``function`` of this module on ``spec`` in a fresh interpreter."""
+    code = (f"import json, sys; from collage.bench.train import {function}; "
+            f"print(json.dumps({function}(json.loads(sys.argv[1]))))")
     done = subprocess.run([sys.executable, "-c", code, json.dumps(spec)],
                           capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"bench train: mode {spec['mode']} failed:\n{done.stderr[-3000:]}")
-    row = json.loads(done.stdout.strip().splitlines()[-1])
+        what = spec.get("mode") or ",".join(spec.get("modes", ()))
+        raise RuntimeError(f"bench train: {what} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _log(quiet: bool, text: str) -> None:
     if not quiet:
-        print(f"[train] {spec['mode']:10s} {row['tokens_per_s']:9.0f} tokens/s  peak "
-              f"{row['peak_bytes'] / 2**20:7.1f} MiB  persistent "
-              f"{row['persistent_bytes'] / 2**20:6.1f} MiB  "
-              f"({time.perf_counter() - started:.0f}s)", file=sys.stderr, flush=True)
-    return row
+        print(f"[train] {text}", file=sys.stderr, flush=True)
 
 
-def run(*, modes=MODES, preset="paper-small", model=None, batch=None, steps=10, warmup=3,
-        threads=None, quiet=True, rounds=1) -> dict:
-    """Every mode once per round, the order rotated each round (a machine whose speed
-    drifts affects all modes alike); a mode's tokens/s is its median over the rounds and its
-    ratio to autocast the median of the ratios within a round. Peak memory is the
-    allocator's count, the same every round: the first round's."""
+def run(*, modes=MODES, preset="paper-small", model=None, batch=None, steps=20, warmup=3,
+        threads=None, quiet=True, rounds=3) -> dict:
+    """Memory: every mode once, in its own fresh process (peak memory is per process and
+    the allocator's count does not vary). Speed: ``rounds`` fresh processes, each running
+    every mode's steps interleaved (:func:`speed_worker`); a mode's tokens/s is the median
+    over all its timed steps, its ratio to autocast the median over the steps of the ratio
+    to autocast's step of the same round and index (timed moments apart)."""
     model = model or {}
     model_cfg, preset_batch = _model_config(preset, model)
     batch = batch or preset_batch
     spec_base = {"preset": preset, "model": model, "batch": batch, "steps": steps,
                  "warmup": warmup, "threads": threads}
-    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
-    for r in range(rounds):
-        shift = r % len(modes)
-        for mode in modes[shift:] + modes[:shift]:
-            runs[mode].append(_run_mode(dict(spec_base, mode=mode), quiet))
     rows = []
     for mode in modes:
-        row = dict(runs[mode][0])
-        row["tokens_per_s_rounds"] = [x["tokens_per_s"] for x in runs[mode]]
-        row["tokens_per_s"] = statistics.median(row["tokens_per_s_rounds"])
+        started = time.perf_counter()
+        row = _run_process("worker", dict(spec_base, mode=mode))
         rows.append(row)
-    reference = runs.get("autocast")
+        _log(quiet, f"{mode:10s} peak {row['peak_bytes'] / 2**20:7.1f} MiB  persistent "
+                    f"{row['persistent_bytes'] / 2**20:6.1f} MiB  "
+                    f"({time.perf_counter() - started:.0f}s)")
+    times: dict[str, list[list[float]]] = {mode: [] for mode in modes}
+    for r in range(rounds):
+        started = time.perf_counter()
+        shift = r % len(modes)
+        done = _run_process("speed_worker",
+                            dict(spec_base, modes=list(modes[shift:] + modes[:shift])))
+        for mode in modes:
+            times[mode].append(done["times"][mode])
+        _log(quiet, f"speed round {r + 1}/{rounds} ({time.perf_counter() - started:.0f}s)")
+    tokens = batch * model_cfg.context
     for row in rows:
-        if reference:
-            ratios = [x["tokens_per_s"] / ref["tokens_per_s"]
-                      for x, ref in zip(runs[row["mode"]], reference)]
-            row["tokens_per_s_vs_autocast_rounds"] = ratios
-            row["tokens_per_s_vs_autocast"] = statistics.median(ratios)
-            row["peak_vs_autocast"] = row["peak_bytes"] / max(reference[0]["peak_bytes"], 1)
+        mine = times[row["mode"]]
+        every = [t for round_times in mine for t in round_times]
+        row["step_s"] = common.summary(every)
+        row["tokens_per_s"] = tokens / statistics.median(every)
+        row["tokens_per_s_rounds"] = [tokens / statistics.median(t) for t in mine]
+    reference = next((r for r in rows if r["mode"] == "autocast"), None)
+    if reference is not None:
+        for row in rows:
+            paired = [[ref / t for ref, t in zip(ref_round, my_round)]
+                      for ref_round, my_round in zip(times["autocast"], times[row["mode"]])]
+            row["tokens_per_s_vs_autocast_rounds"] = [statistics.median(p) for p in paired]
+            row["tokens_per_s_vs_autocast"] = statistics.median(
+                [x for p in paired for x in p])
+            row["peak_vs_autocast"] = row["peak_bytes"] / max(reference["peak_bytes"], 1)
     checks = []
     plus = next((r for r in rows if r["mode"] == "plus"), None)
     if plus and reference:
@@ -270,10 +320,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train", help="tokens/s and peak memory of a GPT per strategy vs autocast",
         description=textwrap.dedent("""\
-            Train a GPT-2-style model for a few steps per mode, each in a fresh process:
-            fp32 weights, torch.autocast(bfloat16) with fp32 weights, and every collage
-            strategy on bf16 weights (fused path). Reports tokens/s and peak memory (the most
-            bytes held by tensors during a step, measured by the allocator)."""),
+            Train a GPT-2-style model per mode: fp32 weights, torch.autocast(bfloat16)
+            with fp32 weights, and every collage strategy on bf16 weights (fused path).
+            Reports peak memory (the most bytes held by tensors during a step, measured by
+            the allocator; each mode in a fresh process) and tokens/s (every mode's steps
+            interleaved in one process, --rounds such processes)."""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--preset", default="paper-small",
@@ -283,10 +334,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--n-heads", type=int, help="override the preset's heads")
     p.add_argument("--context", type=int, help="override the preset's sequence length")
     p.add_argument("--batch-size", type=int, help="sequences per step (default: the preset's)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    p.add_argument("--steps", type=int, default=20,
+                   help="timed steps of every mode per speed round (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="run every mode this many times, the order rotated (default 3)")
+                   help="speed rounds: fresh processes, each stepping every mode "
+                        "interleaved (default 3)")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated: {', '.join(MODES)} (default: all)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
