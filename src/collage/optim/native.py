@@ -100,8 +100,9 @@ _FLAGS = (("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "
 # a thread gets at least this many elements (below, the pool's overhead dominates)
 _MIN_CHUNK = 1 << 16
 # int64 columns of a table row (native_adamw.c T_COLS): elements, weight, gradient, exp_avg,
-# exp_avg_sq, exp_avg_sq_lo, extra, first index, key0, key1
+# exp_avg_sq, exp_avg_sq_lo, extra, first index, key0, key1 (see table_row)
 TABLE_COLUMNS = 10
+COLUMN_GRAD, COLUMN_KEY0, COLUMN_KEY1 = 2, 8, 9
 # the lost-update sums of one tensor (len(collage.metrics.FIELDS); native_adamw.c M_COUNT)
 _FIELDS = 11
 
@@ -396,12 +397,10 @@ def adamw(strategy: str, coeffs: Mapping[str, float], rows: Sequence[tuple], *,
     grad_dtype = rows[0][0][1].dtype
     flags, h = arguments(coeffs, scale, maximize, grad_dtype == torch.float32)
     table = []
-    for (w, g, m, v, vlo, x), first, key0, key1 in rows:  # the T_* columns of the C file
-        if g.dtype != grad_dtype:
+    for tensors, first, key0, key1 in rows:
+        if tensors[1].dtype != grad_dtype:
             raise ValueError("one call steps gradients of one dtype")
-        table.append([w.numel(), w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
-                      0 if vlo is None else vlo.data_ptr(), 0 if x is None else x.data_ptr(),
-                      first, key0, key1])
+        table.append(table_row(tensors, first, key0, key1))
     code = STRATEGY_CODES[strategy]
     threads = torch.get_num_threads() if threads is None else threads
     if sums is None and lib.collage_native_openmp():  # the C code splits the work itself
@@ -430,6 +429,15 @@ def adamw(strategy: str, coeffs: Mapping[str, float], rows: Sequence[tuple], *,
         owners = torch.tensor([o for _, chunk_owners in chunks for o in chunk_owners])
         values = torch.cat([torch.frombuffer(out, dtype=torch.float64) for out in pieces])
         sums.zero_().index_add_(0, owners, values.view(-1, _FIELDS))
+
+
+def table_row(tensors: tuple, first: int, key0: int, key1: int) -> list[int]:
+    """One row of a call's table, the T_* columns of the C file: ``tensors`` from
+    :func:`row_tensors`, then the stochastic draws' first index and keys."""
+    w, g, m, v, vlo, x = tensors
+    return [w.numel(), w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
+            0 if vlo is None else vlo.data_ptr(), 0 if x is None else x.data_ptr(),
+            first, key0, key1]
 
 
 def arguments(coeffs: Mapping[str, float], scale: float | None, maximize: bool,

@@ -82,10 +82,8 @@ class NativePlan:
                     or counter.dtype != torch.float32 or counter.device.type != "cpu"
                     or counter.numel() != 1):
                 return None
-            w, _, m, v, vlo, x = entry.native
-            rows.extend((entry.numel, w.data_ptr(), 0, m.data_ptr(), v.data_ptr(),
-                         0 if vlo is None else vlo.data_ptr(),
-                         0 if x is None else x.data_ptr(), 0, 0, 0))
+            # the gradient and the stochastic keys are rewritten every step
+            rows.extend(native.table_row(entry.native, 0, 0, 0))
             pointers.append((entry.whole.data_ptr(),
                              *[entry.state[key].data_ptr() for key in keys]))
             counters.append(counter.data_ptr())
@@ -116,15 +114,15 @@ class NativePlan:
         if grads is None:
             return False
         columns = native.TABLE_COLUMNS
-        self.table[2::columns] = grads
+        self.table[native.COLUMN_GRAD::columns] = grads
         step = self.step_value + 1
         if self.stochastic:  # the draws' keys depend on the step
             from .fused import stochastic_key
 
             for row, param in enumerate(self.params):
                 key0, key1 = stochastic_key(optimizer, param, step)
-                self.table[row * columns + 8] = key0
-                self.table[row * columns + 9] = key1
+                self.table[row * columns + native.COLUMN_KEY0] = key0
+                self.table[row * columns + native.COLUMN_KEY1] = key1
         scale = None if grad_scale is None else float(grad_scale)
         flags, h = native.arguments(optimizer.rule.coefficients(group, step), scale,
                                     bool(group.get("maximize", False)),
