@@ -411,8 +411,11 @@ def test_compiler_without_openmp_falls_back_to_the_thread_pool(fresh_loader, mon
                                   if a.is_floating_point() else None)
 
 
-def test_stochastic_rounding_of_every_low_half_is_the_reference() -> None:
-    """The kernels' integer stochastic rounding (``v_stochastic32``) against the float
+@pytest.mark.parametrize("pairs", [False, True], ids=["16-wide", "32-wide"])
+def test_stochastic_rounding_of_every_low_half_is_the_reference(pairs: bool) -> None:
+    """The kernels' integer stochastic rounding (``v_stochastic32`` on 16 lanes; with
+    ``pairs`` ``v_stochastic2``, 32 elements in 16-bit lanes, whose blocks holding a lane
+    at or above the largest finite truncation take ``v_stochastic32``) against the float
     reference ``rounding._stochastic_round_bf16`` with the same draws
     (``fused.counter_uniform``), bit for bit: every 16-bit low half under the high halves
     where it is hardest (zero and the subnormals, the smallest normal, 1.0 and its lower
@@ -433,7 +436,8 @@ def test_stochastic_rounding_of_every_low_half_is_the_reference() -> None:
     want = _stochastic_round_bf16(x, draws)
     got = torch.empty(x.numel(), dtype=torch.bfloat16)
     lib = native.loaded() or native._load()
-    lib.collage_stochastic_round(x.data_ptr(), x.numel(), first, key0, key1, got.data_ptr())
+    lib.collage_stochastic_round(x.data_ptr(), x.numel(), first, key0, key1, got.data_ptr(),
+                                 int(pairs))
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan)
     assert torch.equal(bits(got[~nan]), bits(want[~nan]))

@@ -88,7 +88,7 @@ __all__ = ["available", "backend", "covers", "adamw", "any_nonfinite", "STRATEGY
            "library_path"]
 
 SOURCE = Path(__file__).with_name("native_adamw.c")
-ABI = 4
+ABI = 5
 STRATEGY_CODES = {"fp32": 0, "mixed": 1, "bf16": 2, "kahan": 3, "stochastic": 4, "light": 5,
                   "plus": 6, "split": 7}
 # flags of collage_adamw (native_adamw.c)
@@ -268,7 +268,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.collage_advance_steps.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float]
     lib.collage_advance_steps.restype = ctypes.c_int
     lib.collage_stochastic_round.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                             ctypes.c_int]
     lib.collage_stochastic_round.restype = ctypes.c_int
     return lib
 

@@ -61,7 +61,7 @@
 #define COLLAGE_AVX512 0
 #endif
 
-#define COLLAGE_ABI 4
+#define COLLAGE_ABI 5
 
 /* strategies, in collage.optim.native.STRATEGY_CODES order */
 enum { S_FP32, S_MIXED, S_BF16, S_KAHAN, S_STOCHASTIC, S_LIGHT, S_PLUS, S_SPLIT };
@@ -495,12 +495,16 @@ static inline __m512i v_mix32(__m512i x) {
 /* The 24-bit draw D of fused.counter_uniform (draw = D * 2**-24) of the elements
  * ``first + offsets``, as the top 16 bits that bf16 stochastic rounding compares:
  * D >> 8 = hash >> 16 (see v_stochastic32) */
-static inline __m512i v_draw16_at(int64_t first, __m512i offsets, int64_t key0,
-                                  int64_t key1) {
+static inline __m512i v_hash_at(int64_t first, __m512i offsets, int64_t key0,
+                                int64_t key1) {
     __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)first), offsets);
     __m512i hsh = v_mix32(_mm512_xor_si512(index, _mm512_set1_epi32((int)(uint32_t)key0)));
-    hsh = v_mix32(_mm512_xor_si512(hsh, _mm512_set1_epi32((int)(uint32_t)key1)));
-    return _mm512_srli_epi32(hsh, 16);
+    return v_mix32(_mm512_xor_si512(hsh, _mm512_set1_epi32((int)(uint32_t)key1)));
+}
+
+static inline __m512i v_draw16_at(int64_t first, __m512i offsets, int64_t key0,
+                                  int64_t key1) {
+    return _mm512_srli_epi32(v_hash_at(first, offsets, key0, key1), 16);
 }
 
 static inline __m512i v_draw16(int64_t first, int64_t key0, int64_t key1) {
@@ -877,6 +881,41 @@ static inline __attribute__((always_inline)) __m512i v_residual2(const vcoeffs *
     return v_round2(c, r, exact, bad);
 }
 
+/* v_stochastic32 of 32 elements (even and odd, with the full hashes ``he``, ``ho`` of
+ * v_hash_at), packed in element order: the same bits, in 16-bit lanes (AVX-512BW), so
+ * one instruction decides 32 elements instead of 16 and nothing is narrowed. With the
+ * notation of v_stochastic32 (H = x's high half with its sign, t = H's magnitude):
+ *   rounded up (bf_round's carry of L + 0x7FFF + (t & 1) into bit 16) is the top bit of
+ *   _mm512_avg_epu16(L, 0x7FFE | (H & 1)) = (L + 0x7FFE + (t & 1) + 1) >> 1, which avg
+ *   computes in 17 bits; shifted arithmetically, all ones where rounded up;
+ *   the result is t + up with up = (rounded up ? d + L >= 2**16 : d < L), and
+ *   d + L >= 2**16 iff L > 0xFFFF - d = ~d: so up iff L > (d ^ rounded_up_mask), one
+ *   unsigned comparison;
+ *   H + up is t + up with x's sign: t + 1 <= 0x7F7F carries nothing into the sign bit.
+ * That holds for t < 0x7F7F. Blocks with a lane at t >= 0x7F7F (the largest finite
+ * truncation, whose step may reach infinity, and infinities and NaNs) take v_stochastic32,
+ * which handles them (they do not occur in training but for diverging weights). */
+static inline __attribute__((always_inline)) __m512i v_stochastic2(vpair x, __m512i he,
+                                                                   __m512i ho) {
+    const __mmask32 odd = (__mmask32)0xAAAAAAAAu;
+    __m512i be = _mm512_castps_si512(x.e), bo = _mm512_castps_si512(x.o);
+    __m512i high = _mm512_mask_blend_epi16(odd, _mm512_srli_epi32(be, 16), bo);
+    __m512i low = _mm512_mask_blend_epi16(odd, be, _mm512_slli_epi32(bo, 16));
+    __m512i d = _mm512_mask_blend_epi16(odd, _mm512_srli_epi32(he, 16), ho);
+    /* (H & 1) | 0x7FFE: ternary logic 0xEA is (A & B) | C */
+    __m512i bias = _mm512_ternarylogic_epi32(high, _mm512_set1_epi16(1),
+                                             _mm512_set1_epi16(0x7FFE), 0xEA);
+    __m512i rounded_up = _mm512_srai_epi16(_mm512_avg_epu16(low, bias), 15);
+    __mmask32 up = _mm512_cmpgt_epu16_mask(low, _mm512_xor_si512(d, rounded_up));
+    __m512i out = _mm512_mask_add_epi16(high, up, high, _mm512_set1_epi16(1));
+    __mmask32 special = _mm512_cmpge_epu16_mask(
+        _mm512_and_si512(high, _mm512_set1_epi16(0x7FFF)), _mm512_set1_epi16(0x7F7F));
+    if (__builtin_expect(special != 0, 0))
+        return v_pack(v_stochastic32(x.e, _mm512_srli_epi32(he, 16)),
+                      v_stochastic32(x.o, _mm512_srli_epi32(ho, 16)));
+    return out;
+}
+
 static inline __m512 v_decayed(const vcoeffs *c, __m512 W, __m512 u) {
     return _mm512_add_ps(_mm512_mask_mul_ps(W, c->decays, W, c->decay), u);
 }
@@ -901,11 +940,9 @@ static inline __attribute__((always_inline)) __mmask16 pair_land(
         __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
                                          28, 30);
         __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-        __m512i e = v_stochastic32(v_decayed(c, W.e, u.e),
-                                   v_draw16_at(r.index + i, even, r.key0, r.key1));
-        __m512i od = v_stochastic32(v_decayed(c, W.o, u.o),
-                                    v_draw16_at(r.index + i, odd, r.key0, r.key1));
-        o->w = v_pack(e, od);
+        vpair nw = {v_decayed(c, W.e, u.e), v_decayed(c, W.o, u.o)};
+        o->w = v_stochastic2(nw, v_hash_at(r.index + i, even, r.key0, r.key1),
+                             v_hash_at(r.index + i, odd, r.key0, r.key1));
         break;
     }
     case S_KAHAN: { /* X: the compensation; see vector_land */
@@ -1207,12 +1244,23 @@ int collage_adamw_threads(int strategy, int flags, int64_t count, const int64_t 
 /* ------------------------------------------------------------------------------------ */
 
 /* out[j] = bf16 stochastic rounding of x[j] with the draw of element ``first + j``
- * (fused.counter_uniform keyed by key0, key1): the vector routine on whole vectors of 16,
- * bf_stochastic on the tail (and everywhere in the portable build). For tests. */
+ * (fused.counter_uniform keyed by key0, key1): with ``pairs``, v_stochastic2 on whole
+ * blocks of 32 (the kernels' 32-wide path); v_stochastic on whole vectors of 16 (the
+ * 16-wide path); bf_stochastic on the tail (and everywhere in the portable build). For
+ * tests. */
 int collage_stochastic_round(const float *x, int64_t n, int64_t first, int64_t key0,
-                             int64_t key1, uint16_t *out) {
+                             int64_t key1, uint16_t *out, int pairs) {
     int64_t j = 0;
 #if COLLAGE_AVX512
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                           26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (; pairs && j + 32 <= n; j += 32) {
+        __m512 a = _mm512_loadu_ps(x + j), b = _mm512_loadu_ps(x + j + 16);
+        vpair v = {_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b)};
+        _mm512_storeu_si512(out + j, v_stochastic2(v, v_hash_at(first + j, even, key0, key1),
+                                                   v_hash_at(first + j, odd, key0, key1)));
+    }
     for (; j + 16 <= n; j += 16)
         _mm256_storeu_si256((__m256i *)(out + j),
                             v_stochastic(_mm512_loadu_ps(x + j), v_draw16(first + j, key0,
