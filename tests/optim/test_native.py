@@ -213,6 +213,47 @@ def test_native_is_the_foreach_kernel_bit_for_bit(strategy: str, case: Case, cal
     assert calls == [strategy] * 3
 
 
+@pytest.mark.parametrize("strategy", ["kahan", "light", "plus"])
+def test_low_parts_where_the_new_value_rounds_to_infinity(strategy: str) -> None:
+    """A pair ``hi + lo`` finite in float32 but past bf16's largest finite value and half
+    its spacing (a state written by hand or a checkpoint): the new high part rounds to
+    infinity and its low part must be +0, as in the foreach kernel. The 32-wide kernels
+    compute the low parts without that mask and send such blocks (an infinite difference)
+    to their exact path; the second block of 32 is ordinary. Expected bits by hand: the
+    high part 0x7F80 (inf), the low part 0x0000; zero gradients, so the update is zero."""
+    n = 64
+    largest = torch.finfo(torch.bfloat16).max  # 0x7F7F, 3.3895e38
+    crafted = torch.arange(n) < 32
+    # 3.3895e38 + 1.2e36 = 3.4015e38 (float32's largest is 3.4028e38) and times 0.999
+    # 3.3981e38: past the midpoint 3.39617e38 between 0x7F7F and 2**128
+    param = torch.nn.Parameter(torch.where(crafted, largest, 0.5).bfloat16())
+    opt = collage.AdamW([param], lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0,
+                        strategy=strategy, nonfinite="ignore")
+    param.grad = torch.zeros(n, dtype=torch.bfloat16)
+    opt.step()
+    state = opt.state[param]
+    low_key = native._EXTRA[strategy]
+    state[low_key].copy_(torch.where(crafted, 1.2e36, 0.0).bfloat16())
+    if strategy == "plus":
+        state["exp_avg_sq"].copy_(torch.where(crafted, largest, 1e-8).bfloat16())
+        state["exp_avg_sq_lo"].copy_(torch.where(crafted, 1.2e36, 0.0).bfloat16())
+    shadow, shadow_state = param.detach().clone(), {k: v.clone() for k, v in state.items()}
+    opt.step()
+    case = Case("overflow", {})
+    _reference_step(opt, case, strategy, param, shadow, param.grad, shadow_state)
+    _assert_same_bits(param.detach(), shadow, f"{strategy} weight")
+    for key in shadow_state:
+        if key != "step":
+            _assert_same_bits(state[key], shadow_state[key], f"{strategy} {key}")
+    pairs = [(param.detach(), state[low_key])]
+    if strategy == "plus":
+        pairs.append((state["exp_avg_sq"], state["exp_avg_sq_lo"]))
+    for high, low in pairs:
+        assert torch.equal(bits(high[:32]), torch.full((32,), 0x7F80, dtype=bits(high).dtype))
+        assert torch.equal(bits(low[:32]), torch.zeros(32, dtype=bits(low).dtype))
+    assert torch.equal(param.detach()[32:], torch.full((32,), 0.5, dtype=torch.bfloat16))
+
+
 def test_float32_gradients_for_bf16_weights_and_threads(monkeypatch) -> None:
     """Direct calls: float32 gradients converted in registers; 1 and 3 threads (cut into
     ranges, draws indexed by the element's position) give the same bits."""

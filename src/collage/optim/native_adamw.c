@@ -872,10 +872,38 @@ static inline __attribute__((always_inline)) __m512i v_round2(const vcoeffs *c, 
     return v_pack(v_round32(x.e), v_round32(x.o));
 }
 
-/* the low parts fl(x - hi) where hi is finite, else +0, of 32 elements, rounded and packed */
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+#define COLLAGE_UNMASKED_LOW_PARTS 1
+/* v_round2's fast rounding of 32 low parts computed without their mask "+0 where the high
+ * part is not finite". Where that mask acts, the unmasked low part is inf or nan (see
+ * v_residual2 and the kahan landing), so infinities join the classes whose blocks are
+ * redone exactly, with the mask; elsewhere the mask keeps every lane. Saves two compares
+ * and two masks per 32 elements. */
+static inline __attribute__((always_inline)) __m512i v_round2_unmasked(const vcoeffs *c,
+                                                                       vpair r,
+                                                                       __mmask16 *bad) {
+    const int classes = 0x01 | 0x08 | 0x10 | 0x20 | 0x80; /* nan, +-inf, subnormal */
+    *bad |= _mm512_fpclass_ps_mask(r.e, classes) | _mm512_fpclass_ps_mask(r.o, classes);
+    __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(r.o, r.e);
+    return _mm512_permutexvar_epi16(c->interleave, halves);
+}
+#else
+#define COLLAGE_UNMASKED_LOW_PARTS 0
+#endif
+
+/* the low parts fl(x - hi) where hi is finite, else +0, of 32 elements, rounded and packed
+ * (hi: x rounded to bf16) */
 static inline __attribute__((always_inline)) __m512i v_residual2(const vcoeffs *c, vpair x,
                                                                  vpair hi, const int exact,
                                                                  __mmask16 *bad) {
+#if COLLAGE_UNMASKED_LOW_PARTS
+    /* hi = round(x) is finite wherever x is, but where x rounds to infinity, and there
+     * x - hi is infinite; where x is inf or nan, x - hi is nan */
+    if (!exact) {
+        vpair r = {_mm512_sub_ps(x.e, hi.e), _mm512_sub_ps(x.o, hi.o)};
+        return v_round2_unmasked(c, r, bad);
+    }
+#endif
     vpair r = {_mm512_maskz_sub_ps(v_finite(hi.e), x.e, hi.e),
                _mm512_maskz_sub_ps(v_finite(hi.o), x.o, hi.o)};
     return v_round2(c, r, exact, bad);
@@ -954,6 +982,16 @@ static inline __attribute__((always_inline)) __mmask16 pair_land(
         vpair sum = {_mm512_add_ps(W.e, corrected.e), _mm512_add_ps(W.o, corrected.o)};
         o->w = v_round2(c, sum, exact, &bad);
         vpair hf = v_split(o->w);
+#if COLLAGE_UNMASKED_LOW_PARTS
+        /* where hf is inf or nan, so is the difference (corrected - inf or nan), and the
+         * block is redone exactly; elsewhere the mask keeps every lane */
+        if (!exact) {
+            vpair lost = {_mm512_sub_ps(corrected.e, _mm512_sub_ps(hf.e, W.e)),
+                          _mm512_sub_ps(corrected.o, _mm512_sub_ps(hf.o, W.o))};
+            o->x = v_round2_unmasked(c, lost, &bad);
+            break;
+        }
+#endif
         vpair lost = {_mm512_maskz_sub_ps(v_finite(hf.e), corrected.e,
                                           _mm512_sub_ps(hf.e, W.e)),
                       _mm512_maskz_sub_ps(v_finite(hf.o), corrected.o,
