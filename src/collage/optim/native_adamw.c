@@ -891,6 +891,25 @@ static inline __attribute__((always_inline)) __m512i v_round2_unmasked(const vco
 #define COLLAGE_UNMASKED_LOW_PARTS 0
 #endif
 
+/* v_round2 of the high part of a pair whose low part is computed next from the same x
+ * (v_residual2, kahan's compensation): on the fast path without v_round2's class test,
+ * which the low part's subsumes. Where x is nan, inf or subnormal, hi is nan, inf or +-0
+ * (vcvtne2ps2bf16 reads subnormals as zero), so the low part x - hi is nan, nan or x
+ * itself, and the block is redone exactly; a normal x never rounds to a subnormal bf16
+ * (the exponent ranges are the same). */
+static inline __attribute__((always_inline)) __m512i v_round2_high(const vcoeffs *c,
+                                                                   vpair x,
+                                                                   const int exact,
+                                                                   __mmask16 *bad) {
+#if COLLAGE_UNMASKED_LOW_PARTS
+    if (!exact) {
+        __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(x.o, x.e);
+        return _mm512_permutexvar_epi16(c->interleave, halves);
+    }
+#endif
+    return v_round2(c, x, exact, bad);
+}
+
 /* the low parts fl(x - hi) where hi is finite, else +0, of 32 elements, rounded and packed
  * (hi: x rounded to bf16) */
 static inline __attribute__((always_inline)) __m512i v_residual2(const vcoeffs *c, vpair x,
@@ -980,7 +999,9 @@ static inline __attribute__((always_inline)) __mmask16 pair_land(
         vpair corrected = {_mm512_add_ps(_mm512_add_ps(be, u.e), X.e),
                            _mm512_add_ps(_mm512_add_ps(bo, u.o), X.o)};
         vpair sum = {_mm512_add_ps(W.e, corrected.e), _mm512_add_ps(W.o, corrected.o)};
-        o->w = v_round2(c, sum, exact, &bad);
+        /* the compensation's test subsumes the weight's: where the sum is subnormal, hf
+         * is +-0 and corrected - (hf - W) is the sum again, subnormal */
+        o->w = v_round2_high(c, sum, exact, &bad);
         vpair hf = v_split(o->w);
 #if COLLAGE_UNMASKED_LOW_PARTS
         /* where hf is inf or nan, so is the difference (corrected - inf or nan), and the
@@ -1002,7 +1023,7 @@ static inline __attribute__((always_inline)) __mmask16 pair_land(
     case S_LIGHT:
     case S_PLUS: {
         vpair nw = {v_decayed(c, W.e, u.e), v_decayed(c, W.o, u.o)};
-        o->w = v_round2(c, nw, exact, &bad);
+        o->w = v_round2_high(c, nw, exact, &bad);
         o->x = v_residual2(c, nw, v_split(o->w), exact, &bad);
         break;
     }
@@ -1018,8 +1039,12 @@ static inline __attribute__((always_inline)) __mmask16 pair_land(
     }
     }
     o->m = v_round2(c, m, exact, &bad);
-    o->v = v_round2(c, v, exact, &bad);
-    if (S == S_PLUS || S == S_SPLIT) o->vlo = v_residual2(c, v, v_split(o->v), exact, &bad);
+    if (S == S_PLUS || S == S_SPLIT) {
+        o->v = v_round2_high(c, v, exact, &bad);
+        o->vlo = v_residual2(c, v, v_split(o->v), exact, &bad);
+    } else {
+        o->v = v_round2(c, v, exact, &bad);
+    }
     return bad;
 }
 
