@@ -7,6 +7,7 @@ keep their bits)."""
 from __future__ import annotations
 
 import copy
+from array import array
 
 import pytest
 import torch
@@ -197,3 +198,47 @@ def test_load_state_dict_drops_the_plans(monkeypatch) -> None:
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     gc.collect()
     assert old() is None
+
+
+def test_keys_mixed_in_c_are_the_python_keys() -> None:
+    """``collage_stochastic_keys`` (the step mixed into a kept ``base._mix`` state) equals
+    ``fused.stochastic_key`` for seeds of every sign and size, positions and steps up to the
+    plans' limit: integer arithmetic, compared exactly."""
+    from collage.optim import fused
+    from collage.optim.base import _MIX_START, _mix_state
+
+    lib = native.loaded()
+    for seed in (0, 1, -1, 2**31, -(2**40) + 3, 2**64 - 1, 2**70 + 5):
+        opt = collage.AdamW([torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+                             for _ in range(3)], strategy="stochastic", seed=seed)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for step in (1, 2, 3, 1000, 2**24 - 1, 2**24):
+            states = array("Q", [_mix_state(_MIX_START, seed, i) for i in range(len(params))])
+            table = array("q", [0] * (native.TABLE_COLUMNS * len(params)))
+            lib.collage_stochastic_keys(len(params), table.buffer_info()[0],
+                                        states.buffer_info()[0], step)
+            for row, p in enumerate(params):
+                got = (table[row * native.TABLE_COLUMNS + native.COLUMN_KEY0],
+                       table[row * native.TABLE_COLUMNS + native.COLUMN_KEY1])
+                assert got == fused.stochastic_key(opt, p, step), (seed, row, step)
+
+
+def _new_seed(opt, params):
+    opt.seed = 1234
+
+
+def _new_group(opt, params):
+    # a group added before the others' parameters would not move them (positions count
+    # in group order), so the plan must still notice that the positions were rebuilt
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))]})
+
+
+@pytest.mark.parametrize("change", [_new_seed, _new_group], ids=["seed", "param group"])
+def test_stochastic_plan_notices_a_new_seed_or_parameter_order(change, monkeypatch) -> None:
+    """Its keys come from states kept per row (seed and position mixed in once): a new
+    ``seed`` or rebuilt positions take the general path, which keys the draws anew."""
+    plan_steps = _PlanSteps(monkeypatch)
+    twin = _train("stochastic", False, monkeypatch, change)
+    params, opt = _train("stochastic", True, monkeypatch, change)
+    _assert_same(params, opt, *twin)
+    assert 4 <= plan_steps.count <= 6  # both groups' step 3 on the general path

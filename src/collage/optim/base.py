@@ -45,15 +45,24 @@ def _number(value: Any, name: str) -> float:
     return value
 
 
+_MASK64 = (1 << 64) - 1
+_MIX_START = 0x9E3779B97F4A7C15
+
+
+def _mix_state(h: int, *values: int) -> int:
+    """The 64-bit state of :func:`_mix` after mixing ``values`` into state ``h``: a state
+    kept after some values continues with the rest (native plans mix the step in C,
+    ``collage_stochastic_keys``)."""
+    for value in values:
+        h = ((h ^ (value & _MASK64)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h = ((h ^ (h >> 31)) * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 29
+    return h
+
+
 def _mix(*values: int) -> int:
     """A 63-bit seed from integers (splitmix64 rounds): the same in every process and run."""
-    mask = (1 << 64) - 1
-    h = 0x9E3779B97F4A7C15
-    for value in values:
-        h = ((h ^ (value & mask)) * 0xBF58476D1CE4E5B9) & mask
-        h = ((h ^ (h >> 31)) * 0x94D049BB133111EB) & mask
-        h ^= h >> 29
-    return h & ((1 << 63) - 1)
+    return _mix_state(_MIX_START, *values) & ((1 << 63) - 1)
 
 
 def _flat_views(param, grad, state):
@@ -313,6 +322,14 @@ class CollageOptimizer(Optimizer):
             self._generators[device] = generator
         return self._generators[device]
 
+    def _parameter_positions(self) -> dict[int, int]:
+        """``id(param)``: the parameter's position in the optimizer over all groups (a key
+        of its stochastic draws); rebuilt after ``add_param_group``."""
+        if self._positions is None:
+            params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+            self._positions = {id(p): i for i, p in enumerate(params)}
+        return self._positions
+
     def _randomness(self, param, local_param, step: int) -> torch.Tensor:
         """Uniform draws for stochastically rounding ``param`` at ``step``: counter-based.
 
@@ -321,11 +338,8 @@ class CollageOptimizer(Optimizer):
         sharding nor on generator state, so DDP ranks agree, FSDP2 equals one process at any
         world size, and a checkpoint's per-parameter ``step`` is all a resume needs.
         """
-        if self._positions is None:
-            params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
-            self._positions = {id(p): i for i, p in enumerate(params)}
         generator = torch.Generator(device=local_param.device)
-        generator.manual_seed(_mix(self.seed, self._positions[id(param)], step))
+        generator.manual_seed(_mix(self.seed, self._parameter_positions()[id(param)], step))
         draws = torch.rand(param.shape, generator=generator, device=local_param.device)
         if hasattr(param, "device_mesh"):
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

@@ -156,13 +156,11 @@ def stochastic_seeds(optimizer, param, step: int, first_index: int,
 
 
 def stochastic_key(optimizer, param, step: int) -> tuple[int, int]:
-    """The two int32 key words of :func:`stochastic_seeds` as Python ints."""
+    """The two int32 key words of :func:`stochastic_seeds` as Python ints (native plans
+    compute the same in C: ``collage_stochastic_keys``)."""
     from .base import _mix
 
-    if optimizer._positions is None:
-        params = (p for g in optimizer.param_groups for p in g["params"])
-        optimizer._positions = {id(p): i for i, p in enumerate(params)}
-    key = _mix(optimizer.seed, optimizer._positions[id(param)], step)
+    key = _mix(optimizer.seed, optimizer._parameter_positions()[id(param)], step)
     return (key & 0xFFFFFFFF) - (1 << 31), (key >> 32) & 0x7FFFFFFF
 
 

@@ -271,6 +271,9 @@ def _open(path: Path) -> ctypes.CDLL:
                                              ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                              ctypes.c_int]
     lib.collage_stochastic_round.restype = ctypes.c_int
+    lib.collage_stochastic_keys.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                            ctypes.c_int64]
+    lib.collage_stochastic_keys.restype = None
     return lib
 
 

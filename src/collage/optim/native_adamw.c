@@ -1351,6 +1351,23 @@ int collage_advance_steps(int64_t count, const int64_t *steps, float expected) {
     return 0;
 }
 
+/* The stochastic draws' key words of every row of a plan's table (``count`` rows of
+ * T_COLS) at ``step``: fused.stochastic_key in C. ``states[t]``: base._mix's 64-bit state
+ * after the seed and row t's parameter position (kept by the plan); the step is mixed in
+ * with the same splitmix64 round, the result masked to 63 bits and split into key0 (the
+ * low 32 bits minus 2**31) and key1 (the next 31). About 3 us per tensor in Python. */
+void collage_stochastic_keys(int64_t count, int64_t *table, const uint64_t *states,
+                             int64_t step) {
+    for (int64_t t = 0; t < count; t++) {
+        uint64_t h = (states[t] ^ (uint64_t)step) * 0xBF58476D1CE4E5B9ull;
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EBull;
+        h ^= h >> 29;
+        h &= 0x7FFFFFFFFFFFFFFFull;
+        table[t * T_COLS + T_KEY0] = (int64_t)(h & 0xFFFFFFFFull) - ((int64_t)1 << 31);
+        table[t * T_COLS + T_KEY1] = (int64_t)((h >> 32) & 0x7FFFFFFFull);
+    }
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* the non-finite check of nonfinite="skip"/"raise": does any element overflow?          */
 /* ------------------------------------------------------------------------------------ */

@@ -18,7 +18,11 @@ what can change between steps and costs about 1 us:
   fail the check);
 * the gradient's pointer is read into the table (``zero_grad(set_to_none=True)`` makes new
   gradients every step);
-* the group's strategy and ``foreach``/``fused`` flags are unchanged.
+* the group's strategy and ``foreach``/``fused`` flags are unchanged;
+* ``stochastic``: the optimizer's seed and parameter positions are those the plan keyed its
+  rows with. Each row keeps ``base._mix``'s state after the seed and the position, and C
+  mixes the step in (``collage_stochastic_keys``): ``fused.stochastic_key`` in Python cost
+  about 3 us per tensor, half of a small model's ``stochastic`` step.
 
 The step counters are advanced in C (``collage_advance_steps``), which first checks that
 every one still holds the plan's step value: a counter changed in place by the user fails
@@ -59,7 +63,7 @@ class NativePlan:
 
     __slots__ = ("lib", "code", "strategy", "stochastic", "foreach", "fused", "params",
                  "states", "keys", "pointers", "table", "counters", "step_value",
-                 "grad_dtype")
+                 "grad_dtype", "key_states", "key_of")
 
     def __init__(self) -> None:  # use build()
         self.step_value = 0
@@ -92,6 +96,10 @@ class NativePlan:
         plan.code = native.STRATEGY_CODES[strategy.name]
         plan.strategy = group["strategy"]
         plan.stochastic = strategy.name == "stochastic"
+        if plan.stochastic:  # fused.stochastic_key's state before the step, per row
+            plan.key_states = array("Q", [_key_state(optimizer, entry.whole)
+                                          for entry in entries])
+            plan.key_of = (optimizer.seed, optimizer._parameter_positions())
         plan.foreach, plan.fused = group["foreach"], group["fused"]
         plan.params = [entry.whole for entry in entries]
         plan.states = [entry.state for entry in entries]
@@ -116,13 +124,12 @@ class NativePlan:
         columns = native.TABLE_COLUMNS
         self.table[native.COLUMN_GRAD::columns] = grads
         step = self.step_value + 1
-        if self.stochastic:  # the draws' keys depend on the step
-            from .fused import stochastic_key
-
-            for row, param in enumerate(self.params):
-                key0, key1 = stochastic_key(optimizer, param, step)
-                self.table[row * columns + native.COLUMN_KEY0] = key0
-                self.table[row * columns + native.COLUMN_KEY1] = key1
+        if self.stochastic:  # the draws' keys depend on the step: mixed in by C
+            seed, positions = self.key_of
+            if optimizer.seed != seed or optimizer._parameter_positions() is not positions:
+                return False  # a new seed or parameter order: new key states
+            self.lib.collage_stochastic_keys(len(self.params), self.table.buffer_info()[0],
+                                             self.key_states.buffer_info()[0], step)
         scale = None if grad_scale is None else float(grad_scale)
         flags, h = native.arguments(optimizer.rule.coefficients(group, step), scale,
                                     bool(group.get("maximize", False)),
@@ -152,3 +159,11 @@ class NativePlan:
                 return None
             grads.append(grad.data_ptr())
         return grads
+
+
+def _key_state(optimizer, param) -> int:
+    """``base._mix``'s state after the seed and ``param``'s position: what
+    ``fused.stochastic_key`` mixes the step into (``collage_stochastic_keys`` does that)."""
+    from .base import _MIX_START, _mix_state
+
+    return _mix_state(_MIX_START, optimizer.seed, optimizer._parameter_positions()[id(param)])
