@@ -452,8 +452,11 @@ def test_compiler_without_openmp_falls_back_to_the_thread_pool(fresh_loader, mon
                                   if a.is_floating_point() else None)
 
 
-@pytest.mark.parametrize("pairs", [False, True], ids=["16-wide", "32-wide"])
-def test_stochastic_rounding_of_every_low_half_is_the_reference(pairs: bool) -> None:
+@pytest.mark.parametrize("pairs,first", [(False, 1_000_003), (True, 1_000_003),
+                                         (True, 1 << 20)],
+                         ids=["16-wide", "32-wide", "32-wide-aligned"])
+def test_stochastic_rounding_of_every_low_half_is_the_reference(pairs: bool,
+                                                                first: int) -> None:
     """The kernels' integer stochastic rounding (``v_stochastic32`` on 16 lanes; with
     ``pairs`` ``v_stochastic2``, 32 elements in 16-bit lanes, whose blocks holding a lane
     at or above the largest finite truncation take ``v_stochastic32``) against the float
@@ -461,7 +464,9 @@ def test_stochastic_rounding_of_every_low_half_is_the_reference(pairs: bool) -> 
     (``fused.counter_uniform``), bit for bit: every 16-bit low half under the high halves
     where it is hardest (zero and the subnormals, the smallest normal, 1.0 and its lower
     neighbour, the largest finite values, infinity, NaN), both signs, ties included (low
-    half 0x8000 under even and odd high halves). The tail of 7 runs the scalar routine."""
+    half 0x8000 under even and odd high halves). The tail of 7 runs the scalar routine.
+    Blocks of 32 that start at a multiple of 32 (``first`` 2**20) hash with ``v_hash2``'s
+    table lookup for the first round's multiply, others with the plain hash."""
     from collage.optim.rounding import _stochastic_round_bf16
 
     highs = torch.tensor([0x0000, 0x0001, 0x007F, 0x0080, 0x0081, 0x3F7F, 0x3F80, 0x7F7E,
@@ -471,7 +476,7 @@ def test_stochastic_rounding_of_every_low_half_is_the_reference(pairs: bool) -> 
     words = torch.cat([words, words | (1 << 31), torch.tensor([0x3F808000, 0x3F818000,
                                                                0x12345678, 0, 1, 2, 3])])
     x = (words - ((words >> 31) << 32)).to(torch.int32).view(torch.float32).contiguous()
-    first, key0, key1 = 1_000_003, -123_456_789, 987_654_321
+    key0, key1 = -123_456_789, 987_654_321
     draws = fused.counter_uniform(x.numel(), torch.tensor([key0, key1, first],
                                                           dtype=torch.int32))
     want = _stochastic_round_bf16(x, draws)

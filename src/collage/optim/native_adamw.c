@@ -502,6 +502,50 @@ static inline __m512i v_hash_at(int64_t first, __m512i offsets, int64_t key0,
     return v_mix32(_mm512_xor_si512(hsh, _mm512_set1_epi32((int)(uint32_t)key1)));
 }
 
+/* v_hash_at of the 32 elements ``first + 0 .. 31``, even (``*he``) and odd (``*ho``)
+ * elements apart. Where ``first`` is a multiple of 32 (every block of a tensor that starts
+ * a row), the first round's multiply is a table lookup, exactly: the index is B ^ lane
+ * with B = first ^ key0 (the lane sets only bits that first leaves clear), the round's
+ * x ^ (x >> 16) is B1 ^ lane with B1 = B ^ (B >> 16) (lane >> 16 = 0), and with
+ * B1 = H + l (l its low 5 bits) B1 ^ lane = H + (l ^ lane), so that
+ * (B1 ^ lane) * C = H * C + T[l ^ lane] mod 2**32 with T[k] = k * C: one scalar multiply
+ * per block and a 32-entry permutation instead of a vector multiply per 16 elements. */
+static inline __attribute__((always_inline)) void v_hash2(int64_t first, int64_t key0,
+                                                          int64_t key1, __m512i *he,
+                                                          __m512i *ho) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                           26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    if (((uint32_t)first & 31u) != 0) {
+        *he = v_hash_at(first, even, key0, key1);
+        *ho = v_hash_at(first, odd, key0, key1);
+        return;
+    }
+    const __m512i c1 = _mm512_set1_epi32(0x7FEB352D);
+    const __m512i low_table = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), c1);
+    const __m512i high_table = _mm512_mullo_epi32(
+        _mm512_setr_epi32(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31), c1);
+    uint32_t b = (uint32_t)first ^ (uint32_t)key0;
+    b ^= b >> 16;
+    __m512i scaled = _mm512_set1_epi32((int)((b & ~31u) * 0x7FEB352Du));
+    __m512i l = _mm512_set1_epi32((int)(b & 31u));
+    __m512i key = _mm512_set1_epi32((int)(uint32_t)key1);
+    __m512i x[2] = {even, odd};
+    for (int h = 0; h < 2; h++) {
+        __m512i y = _mm512_add_epi32(
+            scaled, _mm512_permutex2var_epi32(low_table, _mm512_xor_si512(l, x[h]),
+                                              high_table));
+        /* the rest of the first round (v_mix32 after its first multiply), then the second */
+        y = _mm512_xor_si512(y, _mm512_srli_epi32(y, 15));
+        y = _mm512_mullo_epi32(y, _mm512_set1_epi32((int)0x846CA68Bu));
+        y = _mm512_xor_si512(y, _mm512_srli_epi32(y, 16));
+        x[h] = v_mix32(_mm512_xor_si512(y, key));
+    }
+    *he = x[0];
+    *ho = x[1];
+}
+
 static inline __m512i v_draw16_at(int64_t first, __m512i offsets, int64_t key0,
                                   int64_t key1) {
     return _mm512_srli_epi32(v_hash_at(first, offsets, key0, key1), 16);
@@ -984,12 +1028,10 @@ static inline __attribute__((always_inline)) __mmask16 pair_land(
         break;
     }
     case S_STOCHASTIC: {
-        __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                         28, 30);
-        __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        __m512i he, ho;
+        v_hash2(r.index + i, r.key0, r.key1, &he, &ho);
         vpair nw = {v_decayed(c, W.e, u.e), v_decayed(c, W.o, u.o)};
-        o->w = v_stochastic2(nw, v_hash_at(r.index + i, even, r.key0, r.key1),
-                             v_hash_at(r.index + i, odd, r.key0, r.key1));
+        o->w = v_stochastic2(nw, he, ho);
         break;
     }
     case S_KAHAN: { /* X: the compensation; see vector_land */
@@ -1321,8 +1363,9 @@ int collage_stochastic_round(const float *x, int64_t n, int64_t first, int64_t k
     for (; pairs && j + 32 <= n; j += 32) {
         __m512 a = _mm512_loadu_ps(x + j), b = _mm512_loadu_ps(x + j + 16);
         vpair v = {_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b)};
-        _mm512_storeu_si512(out + j, v_stochastic2(v, v_hash_at(first + j, even, key0, key1),
-                                                   v_hash_at(first + j, odd, key0, key1)));
+        __m512i he, ho;
+        v_hash2(first + j, key0, key1, &he, &ho);
+        _mm512_storeu_si512(out + j, v_stochastic2(v, he, ho));
     }
     for (; j + 16 <= n; j += 16)
         _mm256_storeu_si256((__m256i *)(out + j),
