@@ -128,11 +128,13 @@ static inline uint16_t bf_round(float x) {
 }
 
 /* lowbias32 (C. Wellons): fused._mix32 on uint32 (wrapping multiplies, logical shifts) */
+#define MIX32_C1 0x7FEB352Du
+#define MIX32_C2 0x846CA68Bu
 static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16;
-    x *= 0x7FEB352Du;
+    x *= MIX32_C1;
     x ^= x >> 15;
-    x *= 0x846CA68Bu;
+    x *= MIX32_C2;
     return x ^ (x >> 16);
 }
 
@@ -484,17 +486,20 @@ static inline __attribute__((always_inline)) __m256i v_residual(
     return v_round(r, exact, bad);
 }
 
-static inline __m512i v_mix32(__m512i x) {
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+/* mix32 after its first multiply (v_hash2 replaces that multiply by a lookup) */
+static inline __m512i v_mix32_tail(__m512i x) {
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846CA68Bu));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)MIX32_C2));
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-/* The 24-bit draw D of fused.counter_uniform (draw = D * 2**-24) of the elements
- * ``first + offsets``, as the top 16 bits that bf16 stochastic rounding compares:
- * D >> 8 = hash >> 16 (see v_stochastic32) */
+static inline __m512i v_mix32(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    return v_mix32_tail(_mm512_mullo_epi32(x, _mm512_set1_epi32((int)MIX32_C1)));
+}
+
+/* fused.counter_uniform's 32-bit hash of the elements ``first + offsets`` (its draw is
+ * the top 24 bits times 2**-24) */
 static inline __m512i v_hash_at(int64_t first, __m512i offsets, int64_t key0,
                                 int64_t key1) {
     __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)first), offsets);
@@ -521,31 +526,30 @@ static inline __attribute__((always_inline)) void v_hash2(int64_t first, int64_t
         *ho = v_hash_at(first, odd, key0, key1);
         return;
     }
-    const __m512i c1 = _mm512_set1_epi32(0x7FEB352D);
+    const __m512i c1 = _mm512_set1_epi32((int)MIX32_C1);
     const __m512i low_table = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), c1);
     const __m512i high_table = _mm512_mullo_epi32(
         _mm512_setr_epi32(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31), c1);
     uint32_t b = (uint32_t)first ^ (uint32_t)key0;
     b ^= b >> 16;
-    __m512i scaled = _mm512_set1_epi32((int)((b & ~31u) * 0x7FEB352Du));
+    __m512i scaled = _mm512_set1_epi32((int)((b & ~31u) * MIX32_C1));
     __m512i l = _mm512_set1_epi32((int)(b & 31u));
     __m512i key = _mm512_set1_epi32((int)(uint32_t)key1);
     __m512i x[2] = {even, odd};
     for (int h = 0; h < 2; h++) {
-        __m512i y = _mm512_add_epi32(
+        __m512i y = v_mix32_tail(_mm512_add_epi32(
             scaled, _mm512_permutex2var_epi32(low_table, _mm512_xor_si512(l, x[h]),
-                                              high_table));
-        /* the rest of the first round (v_mix32 after its first multiply), then the second */
-        y = _mm512_xor_si512(y, _mm512_srli_epi32(y, 15));
-        y = _mm512_mullo_epi32(y, _mm512_set1_epi32((int)0x846CA68Bu));
-        y = _mm512_xor_si512(y, _mm512_srli_epi32(y, 16));
-        x[h] = v_mix32(_mm512_xor_si512(y, key));
+                                              high_table)));
+        x[h] = v_mix32(_mm512_xor_si512(y, key)); /* the second round */
     }
     *he = x[0];
     *ho = x[1];
 }
 
+/* The 24-bit draw D of fused.counter_uniform (draw = D * 2**-24) of the elements
+ * ``first + offsets``, as the top 16 bits that bf16 stochastic rounding compares:
+ * D >> 8 = hash >> 16 (see v_stochastic32) */
 static inline __m512i v_draw16_at(int64_t first, __m512i offsets, int64_t key0,
                                   int64_t key1) {
     return _mm512_srli_epi32(v_hash_at(first, offsets, key0, key1), 16);
@@ -897,6 +901,16 @@ static inline __m512i v_pack(__m512i e, __m512i o) {
 }
 
 /* v_round of 32 elements, packed in element order */
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+/* 32 elements rounded by one vcvtne2ps2bf16, in element order: torch's rounding except on
+ * nan and subnormal lanes (it reads subnormals as zero), which the callers test for */
+static inline __attribute__((always_inline)) __m512i v_cvtne2(const vcoeffs *c, vpair x) {
+    /* words 0-15: the even elements, 16-31: the odd ones */
+    __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(x.o, x.e);
+    return _mm512_permutexvar_epi16(c->interleave, halves);
+}
+#endif
+
 static inline __attribute__((always_inline)) __m512i v_round2(const vcoeffs *c, vpair x,
                                                               const int exact,
                                                               __mmask16 *bad) {
@@ -904,9 +918,7 @@ static inline __attribute__((always_inline)) __m512i v_round2(const vcoeffs *c, 
     if (!exact) {
         *bad |= _mm512_fpclass_ps_mask(x.e, 0x01 | 0x20 | 0x80)
                 | _mm512_fpclass_ps_mask(x.o, 0x01 | 0x20 | 0x80);
-        /* words 0-15: the even elements, 16-31: the odd ones */
-        __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(x.o, x.e);
-        return _mm512_permutexvar_epi16(c->interleave, halves);
+        return v_cvtne2(c, x);
     }
 #else
     (void)c;
@@ -928,8 +940,7 @@ static inline __attribute__((always_inline)) __m512i v_round2_unmasked(const vco
                                                                        __mmask16 *bad) {
     const int classes = 0x01 | 0x08 | 0x10 | 0x20 | 0x80; /* nan, +-inf, subnormal */
     *bad |= _mm512_fpclass_ps_mask(r.e, classes) | _mm512_fpclass_ps_mask(r.o, classes);
-    __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(r.o, r.e);
-    return _mm512_permutexvar_epi16(c->interleave, halves);
+    return v_cvtne2(c, r);
 }
 #else
 #define COLLAGE_UNMASKED_LOW_PARTS 0
@@ -946,10 +957,7 @@ static inline __attribute__((always_inline)) __m512i v_round2_high(const vcoeffs
                                                                    const int exact,
                                                                    __mmask16 *bad) {
 #if COLLAGE_UNMASKED_LOW_PARTS
-    if (!exact) {
-        __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(x.o, x.e);
-        return _mm512_permutexvar_epi16(c->interleave, halves);
-    }
+    if (!exact) return v_cvtne2(c, x);
 #endif
     return v_round2(c, x, exact, bad);
 }
