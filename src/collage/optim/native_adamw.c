@@ -486,25 +486,38 @@ static inline __attribute__((always_inline)) __m256i v_residual(
     return v_round(r, exact, bad);
 }
 
-/* mix32 after its first multiply (v_hash2 replaces that multiply by a lookup) */
-static inline __m512i v_mix32_tail(__m512i x) {
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)MIX32_C2));
-    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+/* The vector hash computes only what bf16 stochastic rounding reads: the top 16 bits of
+ * fused.counter_uniform's 32-bit hash h = mix32(mix32(index ^ key0) ^ key1), where
+ * mix32(x) is x ^= x >> 16; x *= C1; x ^= x >> 15; x *= C2; x ^= x >> 16. Two of its
+ * xor-shifts drop out exactly:
+ *   the closing x ^= x >> 16 leaves the top 16 bits alone, so h >> 16 = z >> 16 for z
+ *   the second round's product by C2 (what these functions return);
+ *   between the rounds, with z1 the first round's product by C2 and K = key1, the second
+ *   round opens with w = y ^ (y >> 16), y = z1 ^ (z1 >> 16) ^ K; since logical shifts
+ *   distribute over xor and (z1 >> 16) >> 16 = 0, y >> 16 = (z1 >> 16) ^ (K >> 16) and
+ *   w = z1 ^ K ^ (K >> 16): one xor with a scalar instead of two xor-shifts and an xor. */
+
+/* mix32 from its product by C1 ``p`` to its product by C2 (before the closing xor-shift) */
+static inline __m512i v_mix32_middle(__m512i p) {
+    p = _mm512_xor_si512(p, _mm512_srli_epi32(p, 15));
+    return _mm512_mullo_epi32(p, _mm512_set1_epi32((int)MIX32_C2));
 }
 
-static inline __m512i v_mix32(__m512i x) {
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    return v_mix32_tail(_mm512_mullo_epi32(x, _mm512_set1_epi32((int)MIX32_C1)));
+/* z (see above) from the first round's product by C1 ``p`` */
+static inline __m512i v_hash_rounds(__m512i p, int64_t key1) {
+    uint32_t k = (uint32_t)key1;
+    __m512i opening = _mm512_set1_epi32((int)(k ^ (k >> 16))); /* K ^ (K >> 16) */
+    __m512i w = _mm512_xor_si512(v_mix32_middle(p), opening);
+    return v_mix32_middle(_mm512_mullo_epi32(w, _mm512_set1_epi32((int)MIX32_C1)));
 }
 
-/* fused.counter_uniform's 32-bit hash of the elements ``first + offsets`` (its draw is
- * the top 24 bits times 2**-24) */
+/* z of the elements ``first + offsets``: its top 16 bits are those of their hash */
 static inline __m512i v_hash_at(int64_t first, __m512i offsets, int64_t key0,
                                 int64_t key1) {
     __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)first), offsets);
-    __m512i hsh = v_mix32(_mm512_xor_si512(index, _mm512_set1_epi32((int)(uint32_t)key0)));
-    return v_mix32(_mm512_xor_si512(hsh, _mm512_set1_epi32((int)(uint32_t)key1)));
+    __m512i x = _mm512_xor_si512(index, _mm512_set1_epi32((int)(uint32_t)key0));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    return v_hash_rounds(_mm512_mullo_epi32(x, _mm512_set1_epi32((int)MIX32_C1)), key1);
 }
 
 /* v_hash_at of the 32 elements ``first + 0 .. 31``, even (``*he``) and odd (``*ho``)
@@ -535,16 +548,12 @@ static inline __attribute__((always_inline)) void v_hash2(int64_t first, int64_t
     b ^= b >> 16;
     __m512i scaled = _mm512_set1_epi32((int)((b & ~31u) * MIX32_C1));
     __m512i l = _mm512_set1_epi32((int)(b & 31u));
-    __m512i key = _mm512_set1_epi32((int)(uint32_t)key1);
-    __m512i x[2] = {even, odd};
-    for (int h = 0; h < 2; h++) {
-        __m512i y = v_mix32_tail(_mm512_add_epi32(
-            scaled, _mm512_permutex2var_epi32(low_table, _mm512_xor_si512(l, x[h]),
-                                              high_table)));
-        x[h] = v_mix32(_mm512_xor_si512(y, key)); /* the second round */
-    }
-    *he = x[0];
-    *ho = x[1];
+    *he = v_hash_rounds(_mm512_add_epi32(scaled, _mm512_permutex2var_epi32(
+                                                     low_table, _mm512_xor_si512(l, even),
+                                                     high_table)), key1);
+    *ho = v_hash_rounds(_mm512_add_epi32(scaled, _mm512_permutex2var_epi32(
+                                                     low_table, _mm512_xor_si512(l, odd),
+                                                     high_table)), key1);
 }
 
 /* The 24-bit draw D of fused.counter_uniform (draw = D * 2**-24) of the elements
@@ -980,9 +989,10 @@ static inline __attribute__((always_inline)) __m512i v_residual2(const vcoeffs *
     return v_round2(c, r, exact, bad);
 }
 
-/* v_stochastic32 of 32 elements (even and odd, with the full hashes ``he``, ``ho`` of
- * v_hash_at), packed in element order: the same bits, in 16-bit lanes (AVX-512BW), so
- * one instruction decides 32 elements instead of 16 and nothing is narrowed. With the
+/* v_stochastic32 of 32 elements (even and odd, with ``he``, ``ho`` of v_hash2, whose top
+ * 16 bits are the draws'), packed in element order: the same bits, in 16-bit lanes
+ * (AVX-512BW), so one instruction decides 32 elements instead of 16 and nothing is
+ * narrowed. With the
  * notation of v_stochastic32 (H = x's high half with its sign, t = H's magnitude):
  *   rounded up (bf_round's carry of L + 0x7FFF + (t & 1) into bit 16) is the top bit of
  *   _mm512_avg_epu16(L, 0x7FFE | (H & 1)) = (L + 0x7FFE + (t & 1) + 1) >> 1, which avg
