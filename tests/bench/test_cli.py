@@ -81,6 +81,22 @@ def test_bench_train_smoke(capsys):
         "plus tokens/s >= autocast tokens/s", "plus peak memory <= 0.85 x autocast"}
 
 
+@needs_compiler
+def test_bench_train_checkpoint_activations_lowers_the_peak():
+    """The flag reaches the worker processes' model: the same mode's peak is lower."""
+    from collage.bench import train
+
+    peaks = {}
+    for flag in (None, True):
+        result = train.run(modes=("plus",), preset="micro",
+                           model={"n_layers": 3, "checkpoint_activations": flag},
+                           steps=1, warmup=0, rounds=1, threads=1)
+        assert bool(result["settings"]["model"]["checkpoint_activations"]) == bool(flag)
+        peaks[flag] = result["rows"][0]["peak_bytes"]
+    assert peaks[True] < 0.9 * peaks[None]
+    assert "activation checkpointing" in train.table(result)
+
+
 def test_speed_worker_interleaves_the_modes(monkeypatch):
     """Step k of every mode, the order rotated by k: no mode is always first."""
     from collage.bench import train

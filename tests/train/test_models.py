@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -110,3 +112,63 @@ def test_hf_models_build_offline(family):
     assert logits.shape == (2, 16, VOCAB_SIZE) and logits.dtype == torch.bfloat16
     families = {module_family(n) for n, _ in model.named_parameters()}
     assert {"embedding", "attention", "mlp", "norm"} <= families
+    # transformers 5 renamed the property (the old name warns)
+    name = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")
+            else "is_gradient_checkpointing")
+    assert not getattr(model, name)
+    checkpointed = build_model(tiny(family, hf=True, checkpoint_activations=True), VOCAB_SIZE,
+                               seed=0)
+    assert getattr(checkpointed, name)
+
+
+def _gradients(model, x, seed):
+    torch.manual_seed(seed)  # dropout masks
+    model.zero_grad(set_to_none=True)
+    logits_of(model, x).float().logsumexp(-1).mean().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_checkpointing_gives_the_same_gradients_bit_for_bit(family, dtype):
+    """Recomputing each block in backward (with dropout: the RNG state is restored, so the
+    masks are the same) changes what is saved, not what is computed."""
+    plain = build_model(tiny(family, dropout=0.1), VOCAB_SIZE, seed=0).to(dtype)
+    checkpointed = build_model(tiny(family, dropout=0.1, checkpoint_activations=True),
+                               VOCAB_SIZE, seed=0).to(dtype)
+    x = torch.randint(0, 256, (3, 16))
+    want, got = _gradients(plain, x, seed=5), _gradients(checkpointed, x, seed=5)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    # the dropout masks matter (another seed, other gradients): the RNG state was restored
+    head = "cls.predictions.decoder.weight" if family == "bert" else "lm_head.weight"
+    assert not torch.equal(want[head], _gradients(plain, x, seed=6)[head])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_activation_checkpointing_saves_only_block_inputs(family):
+    """Saved for backward: without checkpointing every block's activations; with it, the
+    blocks' inputs (one (B, T, d) tensor each) and the layers outside the blocks."""
+    def saved_bytes(cfg):
+        model = build_model(cfg, VOCAB_SIZE, seed=0)
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits_of(model, torch.randint(0, 256, (4, 16)))
+        return total[0]
+
+    config = ModelConfig(family=family, d_model=64, n_layers=4, n_heads=4, context=16)
+    plain = saved_bytes(config)
+    checkpointed = saved_bytes(dataclasses.replace(config, checkpoint_activations=True))
+    assert checkpointed < 0.5 * plain
+    with torch.no_grad():  # no autograd: plain forward, same logits
+        model = build_model(dataclasses.replace(config, checkpoint_activations=True),
+                            VOCAB_SIZE, seed=0)
+        reference = build_model(config, VOCAB_SIZE, seed=0)
+        x = torch.randint(0, 256, (2, 16))
+        assert torch.equal(logits_of(model, x), logits_of(reference, x))

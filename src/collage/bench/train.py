@@ -24,7 +24,10 @@ mode's.
 
 Modes: ``fp32`` (float32 weights, torch.optim.AdamW fused), ``autocast`` (float32 weights,
 bf16 autocast, torch.optim.AdamW fused) and every collage strategy (bf16 weights, fused
-path; ``mixed`` keeps float32 masters).
+path; ``mixed`` keeps float32 masters). Every mode runs the same model and the same loss,
+:func:`collage.train.losses.cross_entropy` (float32 loss of the bf16 logits without a
+float32 copy of them, as ``collage train`` does); ``--checkpoint-activations`` makes every
+mode recompute its blocks in backward.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ __all__ = ["register", "run", "MODES"]
 
 STRATEGIES = ("mixed", "bf16", "kahan", "stochastic", "light", "plus", "split")
 MODES = ("fp32", "autocast") + STRATEGIES
-MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "context")
+MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "context", "checkpoint_activations")
 
 
 def _model_config(preset: str, overrides: dict):
@@ -124,7 +127,7 @@ class _Trainer:
         self.index = 0
 
     def step(self) -> float:
-        import torch.nn.functional as F
+        from ..train.losses import cross_entropy
 
         tokens = torch.randint(0, self.vocab, (self.batch, self.context + 1),
                                generator=self.generator)
@@ -132,7 +135,8 @@ class _Trainer:
         started = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.mode == "autocast"):
             logits = self.model(x)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss = cross_entropy(logits, y)
+        del logits  # held by the loss for backward; nothing else needs it
         loss.backward()
         for group in self.optimizer.param_groups:  # a schedule: a new lr every step
             group["lr"] = self.lr * (0.5 + 0.5 * (self.index % 10) / 10)
@@ -293,7 +297,8 @@ def table(result: dict) -> str:
     m = s["model"]
     n = result["rows"][0]["n_params"] if result["rows"] else 0
     lines = [f"### GPT d_model={m['d_model']}, layers={m['n_layers']}, heads={m['n_heads']}, "
-             f"context={m['context']}, batch={s['batch']} ({n / 1e6:.2f}M parameters); "
+             f"context={m['context']}, batch={s['batch']} ({n / 1e6:.2f}M parameters"
+             f"{', activation checkpointing' if m.get('checkpoint_activations') else ''}); "
              f"{s['steps']} timed steps after {s['warmup']}, {s.get('rounds', 1)} round(s) "
              "(medians)", "",
              "| mode | tokens/s | x autocast | step ms (median) | step ms (p90) | "
@@ -334,6 +339,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--n-heads", type=int, help="override the preset's heads")
     p.add_argument("--context", type=int, help="override the preset's sequence length")
     p.add_argument("--batch-size", type=int, help="sequences per step (default: the preset's)")
+    p.add_argument("--checkpoint-activations", action="store_true", default=None,
+                   help="every mode recomputes each block's activations during backward "
+                        "(the saved activations shrink to the blocks' inputs)")
     p.add_argument("--steps", type=int, default=20,
                    help="timed steps of every mode per speed round (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")

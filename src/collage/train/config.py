@@ -99,6 +99,9 @@ class ModelConfig:
     tie_weights: bool = _opt(False, "tie the output head to the token embedding")
     init_std: float = _opt(0.02, "standard deviation of the N(0, std) weight initialisation")
     rope_theta: float = _opt(10000.0, "RoPE base (llama)")
+    checkpoint_activations: bool = _opt(
+        False, "recompute each block's activations during backward (torch.utils.checkpoint): "
+        "the saved activations shrink to the blocks' inputs, for one more forward pass")
     hf: bool = _opt(False, "build the transformers model (GPT2LMHeadModel, LlamaForCausalLM, "
                     "BertForMaskedLM) from a config instead of our own modules")
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 if TYPE_CHECKING:
@@ -59,6 +60,18 @@ def _heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
 def _merge(x: torch.Tensor) -> torch.Tensor:
     b, h, t, hd = x.shape
     return x.transpose(1, 2).reshape(b, t, h * hd)
+
+
+def _run_blocks(blocks: nn.ModuleList, x: torch.Tensor, checkpointed: bool) -> torch.Tensor:
+    """``x`` through every block; with ``checkpointed`` (while autograd records), each
+    block keeps only its input for backward and runs its forward again there (non-reentrant
+    torch.utils.checkpoint, which restores the RNG state: dropout draws the same masks, and
+    the gradients are those of the plain run)."""
+    recompute = checkpointed and torch.is_grad_enabled()
+    for block in blocks:
+        x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if recompute \
+            else block(x)
+    return x
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,6 +131,7 @@ class GPT(nn.Module):
             }
         )
         self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        self.checkpoint_activations = cfg.checkpoint_activations
         if cfg.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight
         _init_weights(self, cfg.init_std, cfg.n_layers, residual_names=("c_proj",))
@@ -126,8 +140,7 @@ class GPT(nn.Module):
         t = self.transformer
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = t.drop(t.wte(idx) + t.wpe(pos))
-        for block in t.h:
-            x = block(x)
+        x = _run_blocks(t.h, x, self.checkpoint_activations)
         return self.lm_head(t.ln_f(x))
 
 
@@ -198,14 +211,14 @@ class Llama(nn.Module):
         self.model.layers = nn.ModuleList(LlamaLayer(cfg) for _ in range(cfg.n_layers))
         self.model.norm = RMSNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        self.checkpoint_activations = cfg.checkpoint_activations
         if cfg.tie_weights:
             self.lm_head.weight = self.model.embed_tokens.weight
         _init_weights(self, cfg.init_std, cfg.n_layers, residual_names=("o_proj", "down_proj"))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.model.embed_tokens(idx)
-        for layer in self.model.layers:
-            x = layer(x)
+        x = _run_blocks(self.model.layers, self.model.embed_tokens(idx),
+                        self.checkpoint_activations)
         return self.lm_head(self.model.norm(x))
 
 
@@ -250,7 +263,7 @@ class Bert(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
         super().__init__()
         d = cfg.d_model
-        self.p = cfg.dropout
+        self.p, self.checkpoint_activations = cfg.dropout, cfg.checkpoint_activations
         self.bert = nn.Module()
         self.bert.embeddings = nn.Module()
         self.bert.embeddings.word_embeddings = nn.Embedding(vocab_size, d)
@@ -273,8 +286,7 @@ class Bert(nn.Module):
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = e.LayerNorm(e.word_embeddings(idx) + e.position_embeddings(pos))
         x = F.dropout(x, self.p, self.training)
-        for layer in self.bert.encoder.layer:
-            x = layer(x)
+        x = _run_blocks(self.bert.encoder.layer, x, self.checkpoint_activations)
         t = self.cls.predictions.transform
         return self.cls.predictions.decoder(t.LayerNorm(F.gelu(t.dense(x))))
 
@@ -336,6 +348,12 @@ def _build_hf(cfg: ModelConfig, vocab_size: int) -> nn.Module:
             initializer_range=cfg.init_std, **common,
         )
         model = transformers.BertForMaskedLM(config)
+    if cfg.checkpoint_activations:  # transformers 5 renamed the method (the old name warns)
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model.float()
 
 

@@ -21,7 +21,6 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import collage
@@ -31,6 +30,7 @@ from ..cli import UsageError
 from .config import Config, OptimConfig
 from .data import VOCAB_SIZE, load_corpus, make_batches
 from .distributed import Ranks, all_sum, setup
+from .losses import cross_entropy
 from .memory import TensorMemoryProbe, current_rss_bytes, peak_rss_bytes, persistent_bytes
 from .models import build_model, is_causal, logits_of
 
@@ -155,9 +155,8 @@ def _memory_probe_step(start: int, end: int, track_every: int) -> int | None:
 
 
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean"):
-    logits = logits_of(model, x)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
-                           ignore_index=-100, reduction=reduction)
+    # the float32 loss of the logits without a float32 copy of them (collage.train.losses)
+    return cross_entropy(logits_of(model, x), y, ignore_index=-100, reduction=reduction)
 
 
 @torch.no_grad()
