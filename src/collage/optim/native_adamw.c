@@ -1307,6 +1307,7 @@ int collage_adamw_measured(int strategy, int flags, int64_t count, const int64_t
 /* elements per thread at least (below it a parallel region costs more than it saves) */
 #define MIN_CHUNK 65536
 
+#ifdef _OPENMP
 /* How many threads share ``total`` elements: at most ``threads``, each with at least
  * MIN_CHUNK elements, at least one. */
 static int64_t thread_parts(int64_t total, int threads) {
@@ -1314,6 +1315,7 @@ static int64_t thread_parts(int64_t total, int threads) {
     int64_t most = total / MIN_CHUNK > 0 ? total / MIN_CHUNK : 1;
     return parts < most ? parts : most;
 }
+#endif
 
 /* A cut inside a row of ``n`` elements, moved up to a multiple of 64 elements (128 bytes
  * or more: two threads never write one cache line); monotonic, so that the pieces of
@@ -1348,8 +1350,8 @@ int collage_adamw_threads(int strategy, int flags, int64_t count, const int64_t 
     if (strategy < S_FP32 || strategy > S_SPLIT) return -1;
     int64_t total = 0;
     for (int64_t t = 0; t < count; t++) total += table[t * T_COLS + T_N];
-    int64_t parts = thread_parts(total, threads);
 #ifdef _OPENMP
+    int64_t parts = thread_parts(total, threads);
     if (parts > 1) {
 #pragma omp parallel for num_threads((int)parts) schedule(static, 1)
         for (int64_t p = 0; p < parts; p++)
@@ -1357,6 +1359,8 @@ int collage_adamw_threads(int strategy, int flags, int64_t count, const int64_t 
                      total * (p + 1) / parts);
         return 0;
     }
+#else
+    (void)threads; /* one thread without OpenMP */
 #endif
     run_span(strategy, flags, count, table, h, 0, total);
     return 0;
@@ -1389,6 +1393,8 @@ int collage_stochastic_round(const float *x, int64_t n, int64_t first, int64_t k
         _mm256_storeu_si256((__m256i *)(out + j),
                             v_stochastic(_mm512_loadu_ps(x + j), v_draw16(first + j, key0,
                                                                             key1)));
+#else
+    (void)pairs; /* the portable build rounds every element on the scalar path */
 #endif
     for (; j < n; j++)
         out[j] = bf_stochastic(x[j], uniform((uint32_t)(first + j), (uint32_t)key0,
@@ -1466,9 +1472,9 @@ static int pieces_nonfinite(int wide, int64_t count, const int64_t *table, int64
 int collage_nonfinite(int wide, int64_t count, const int64_t *table, int threads) {
     int64_t total = 0;
     for (int64_t t = 0; t < count; t++) total += table[2 * t + 1];
+#ifdef _OPENMP
     int64_t parts = thread_parts(total, threads);
     int bad = 0;
-#ifdef _OPENMP
     if (parts > 1) {
 #pragma omp parallel for num_threads((int)parts) schedule(static, 1) reduction(| : bad)
         for (int64_t p = 0; p < parts; p++)
@@ -1476,6 +1482,8 @@ int collage_nonfinite(int wide, int64_t count, const int64_t *table, int threads
                                     total * (p + 1) / parts);
         return bad;
     }
+#else
+    (void)threads; /* one thread without OpenMP */
 #endif
     return pieces_nonfinite(wide, count, table, 0, total);
 }
