@@ -86,7 +86,7 @@ class _LeanCrossEntropy(torch.autograd.Function):
         safe = torch.where(valid, target, torch.zeros_like(target))
         lse = torch.empty(logits.shape[0], dtype=compute, device=logits.device)
         for rows in _chunks(logits.shape[0], chunk_rows):
-            torch.logsumexp(logits[rows].to(compute), dim=1, out=lse[rows])
+            lse[rows] = _logsumexp_rows(logits[rows], compute)
         picked = logits.gather(1, safe[:, None]).squeeze(1).to(compute)
         losses = torch.where(valid, lse - picked, torch.zeros_like(lse))
         ctx.save_for_backward(logits, safe, valid, lse)
@@ -104,13 +104,22 @@ class _LeanCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for rows in _chunks(logits.shape[0], ctx.chunk_rows):
             # d loss_i / d x_ij = softmax(x_i)_j - [j == target_i], times the row's scale
-            # (a new tensor in lse's dtype: bf16 - float32 promotes exactly, and float32
-            # logits are never written)
-            part = torch.sub(logits[rows], lse[rows, None]).exp_()
+            part = logits[rows].to(lse.dtype, copy=True).sub_(lse[rows, None]).exp_()
             part.scatter_add_(1, safe[rows, None],
                               torch.full_like(part[:, :1], -1.0))
             grad[rows] = part.mul_(scale[rows, None])
         return grad, None, None, None, None
+
+
+def _logsumexp_rows(chunk: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    """log(sum(exp(x))) of each row, in ``compute``, with one temporary of the chunk's size
+    (``torch.logsumexp`` of a converted chunk holds two): the row's maximum is subtracted
+    first (no overflow), except where it is infinite (a row of -inf gives -inf, one with
+    +inf gives +inf or nan, as torch.logsumexp does)."""
+    part = chunk.to(compute, copy=True)  # never writes the caller's logits
+    top = part.amax(dim=1, keepdim=True)
+    top = torch.where(top.isinf(), torch.zeros_like(top), top)
+    return part.sub_(top).exp_().sum(dim=1).log_().add_(top.squeeze(1))
 
 
 def _row_scale(reduction: str, grad_loss: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
