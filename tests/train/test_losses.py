@@ -142,7 +142,7 @@ def test_every_target_ignored_gives_nan_mean_and_zero_gradient():
     loss = cross_entropy(x, target)
     assert bool(loss.isnan()) and bool(F.cross_entropy(logits.float(), target).isnan())
     assert float(cross_entropy(logits, target, reduction="sum")) == 0.0
-    loss.backward()  # nan upstream gradient times zero row scale: ignored rows get 0
+    loss.backward()  # every row is ignored: its scale (1 / 0 = inf) is masked to 0
     assert torch.all(x.grad == 0)
 
 
