@@ -486,6 +486,18 @@ static inline __attribute__((always_inline)) __m256i v_residual(
     return v_round(r, exact, bad);
 }
 
+/* the lane numbers 0 .. 15, and the element offsets of a block of 32 split into its even
+ * and odd elements (the 32-wide path's pairs) */
+static inline __m512i v_lanes(void) {
+    return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+static inline __m512i v_even_offsets(void) { return _mm512_slli_epi32(v_lanes(), 1); }
+
+static inline __m512i v_odd_offsets(void) {
+    return _mm512_add_epi32(v_even_offsets(), _mm512_set1_epi32(1));
+}
+
 /* The vector hash computes only what bf16 stochastic rounding reads: the top 16 bits of
  * fused.counter_uniform's 32-bit hash h = mix32(mix32(index ^ key0) ^ key1), where
  * mix32(x) is x ^= x >> 16; x *= C1; x ^= x >> 15; x *= C2; x ^= x >> 16. Two of its
@@ -531,19 +543,16 @@ static inline __m512i v_hash_at(int64_t first, __m512i offsets, int64_t key0,
 static inline __attribute__((always_inline)) void v_hash2(int64_t first, int64_t key0,
                                                           int64_t key1, __m512i *he,
                                                           __m512i *ho) {
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
-                                           26, 28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m512i even = v_even_offsets(), odd = v_odd_offsets();
     if (((uint32_t)first & 31u) != 0) {
         *he = v_hash_at(first, even, key0, key1);
         *ho = v_hash_at(first, odd, key0, key1);
         return;
     }
     const __m512i c1 = _mm512_set1_epi32((int)MIX32_C1);
-    const __m512i low_table = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), c1);
+    const __m512i low_table = _mm512_mullo_epi32(v_lanes(), c1);
     const __m512i high_table = _mm512_mullo_epi32(
-        _mm512_setr_epi32(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31), c1);
+        _mm512_add_epi32(v_lanes(), _mm512_set1_epi32(16)), c1);
     uint32_t b = (uint32_t)first ^ (uint32_t)key0;
     b ^= b >> 16;
     __m512i scaled = _mm512_set1_epi32((int)((b & ~31u) * MIX32_C1));
@@ -557,17 +566,10 @@ static inline __attribute__((always_inline)) void v_hash2(int64_t first, int64_t
 }
 
 /* The 24-bit draw D of fused.counter_uniform (draw = D * 2**-24) of the elements
- * ``first + offsets``, as the top 16 bits that bf16 stochastic rounding compares:
+ * ``first + 0 .. 15``, as the top 16 bits that bf16 stochastic rounding compares:
  * D >> 8 = hash >> 16 (see v_stochastic32) */
-static inline __m512i v_draw16_at(int64_t first, __m512i offsets, int64_t key0,
-                                  int64_t key1) {
-    return _mm512_srli_epi32(v_hash_at(first, offsets, key0, key1), 16);
-}
-
 static inline __m512i v_draw16(int64_t first, int64_t key0, int64_t key1) {
-    return v_draw16_at(
-        first, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        key0, key1);
+    return _mm512_srli_epi32(v_hash_at(first, v_lanes(), key0, key1), 16);
 }
 
 /* bf_stochastic on 16 lanes, bit for bit, in integer arithmetic: the 16-bit results in
@@ -992,8 +994,8 @@ static inline __attribute__((always_inline)) __m512i v_residual2(const vcoeffs *
 /* v_stochastic32 of 32 elements (even and odd, with ``he``, ``ho`` of v_hash2, whose top
  * 16 bits are the draws'), packed in element order: the same bits, in 16-bit lanes
  * (AVX-512BW), so one instruction decides 32 elements instead of 16 and nothing is
- * narrowed. With the
- * notation of v_stochastic32 (H = x's high half with its sign, t = H's magnitude):
+ * narrowed. With the notation of v_stochastic32 (H = x's high half with its sign, t = H's
+ * magnitude):
  *   rounded up (bf_round's carry of L + 0x7FFF + (t & 1) into bit 16) is the top bit of
  *   _mm512_avg_epu16(L, 0x7FFE | (H & 1)) = (L + 0x7FFE + (t & 1) + 1) >> 1, which avg
  *   computes in 17 bits; shifted arithmetically, all ones where rounded up;
@@ -1379,9 +1381,7 @@ int collage_stochastic_round(const float *x, int64_t n, int64_t first, int64_t k
                              int64_t key1, uint16_t *out, int pairs) {
     int64_t j = 0;
 #if COLLAGE_AVX512
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
-                                           26, 28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m512i even = v_even_offsets(), odd = v_odd_offsets();
     for (; pairs && j + 32 <= n; j += 32) {
         __m512 a = _mm512_loadu_ps(x + j), b = _mm512_loadu_ps(x + j + 16);
         vpair v = {_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b)};
