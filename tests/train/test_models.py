@@ -172,3 +172,87 @@ def test_activation_checkpointing_saves_only_block_inputs(family):
         reference = build_model(config, VOCAB_SIZE, seed=0)
         x = torch.randint(0, 256, (2, 16))
         assert torch.equal(logits_of(model, x), logits_of(reference, x))
+
+
+def _gradients_under(model, x, *, autocast: bool, seed: int = 5):
+    torch.manual_seed(seed)  # dropout masks
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = logits_of(model, x)
+    logits.float().logsumexp(-1).mean().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+PRECISIONS = [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype,autocast", PRECISIONS, ids=["fp32", "bf16", "autocast"])
+def test_recomputed_mlp_gives_the_same_gradients_bit_for_bit(family, dtype, autocast):
+    """Recomputing the MLP's activation in backward (GELU; SwiGLU's silu and product)
+    changes what is saved, not what is computed: the activation is elementwise and
+    deterministic, and autocast's state is the forward's."""
+    config = tiny(family, dropout=0.1)
+    assert config.recompute_mlp  # the default
+    plain = build_model(dataclasses.replace(config, recompute_mlp=False), VOCAB_SIZE,
+                        seed=0).to(dtype)
+    lean = build_model(config, VOCAB_SIZE, seed=0).to(dtype)
+    x = torch.randint(0, 256, (3, 16))
+    want = _gradients_under(plain, x, autocast=autocast)
+    got = _gradients_under(lean, x, autocast=autocast)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
+def _peak_bytes(cfg, dtype, autocast, tokens):
+    from collage.train.memory import TensorMemoryProbe
+
+    model = build_model(cfg, VOCAB_SIZE, seed=0).to(dtype)
+    x = torch.randint(0, 256, tokens)
+    probe = TensorMemoryProbe(torch.device("cpu"))
+    with probe:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = logits_of(model, x)
+        logits.float().logsumexp(-1).mean().backward()
+    return probe.peak_bytes
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype,autocast", PRECISIONS[1:], ids=["bf16", "autocast"])
+def test_recomputed_mlp_drops_exactly_the_activations(family, dtype, autocast):
+    """The step's peak (at the start of backward, with every activation saved) falls by
+    exactly the tensors no longer kept, counted by the allocator: per layer one (tokens,
+    d_ff) bf16 tensor, the activation's output; for llama two, silu(gate) too."""
+    config = ModelConfig(family=family, d_model=64, n_layers=3, n_heads=4, context=64)
+    tokens = (4, 64)
+    plain = _peak_bytes(dataclasses.replace(config, recompute_mlp=False), dtype, autocast,
+                        tokens)
+    lean = _peak_bytes(config, dtype, autocast, tokens)
+    per_layer = (2 if family == "llama" else 1) * 4 * 64 * config.ffn_dim * 2  # bf16 bytes
+    assert plain - lean == config.n_layers * per_layer
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_recomputed_mlp_stands_aside_under_other_saved_tensor_hooks(family):
+    """Inside someone else's saved-tensor hooks (here save_on_cpu; also torch's checkpoint)
+    ours would replace theirs for the linear layer's tensors, so the plain path runs:
+    the same gradients, and every saved tensor goes through their hooks."""
+    config = tiny(family)
+    model = build_model(config, VOCAB_SIZE, seed=0)
+    x = torch.randint(0, 256, (3, 16))
+    want = _gradients_under(model, x, autocast=False)
+    seen = []
+
+    def pack(tensor):
+        seen.append(tensor.shape)
+        return tensor
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = logits_of(model, x)
+    logits.float().logsumexp(-1).mean().backward()
+    for name, p in model.named_parameters():
+        assert torch.equal(want[name], p.grad), name
+    # the MLP's activation output (48 tokens x d_ff) was handed to the outer hook
+    assert torch.Size([48, config.ffn_dim]) in seen

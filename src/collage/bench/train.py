@@ -27,7 +27,9 @@ bf16 autocast, torch.optim.AdamW fused) and every collage strategy (bf16 weights
 path; ``mixed`` keeps float32 masters). Every mode runs the same model and the same loss,
 :func:`collage.train.losses.cross_entropy` (float32 loss of the bf16 logits without a
 float32 copy of them, as ``collage train`` does); ``--checkpoint-activations`` makes every
-mode recompute its blocks in backward.
+mode recompute its blocks in backward; every mode keeps only the inputs of the MLP's
+activation and computes it again in backward (the models' default, ``--no-recompute-mlp``
+keeps it).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ __all__ = ["register", "run", "MODES"]
 
 STRATEGIES = ("mixed", "bf16", "kahan", "stochastic", "light", "plus", "split")
 MODES = ("fp32", "autocast") + STRATEGIES
-MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "context", "checkpoint_activations")
+MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "context", "checkpoint_activations",
+               "recompute_mlp")
 
 
 def _model_config(preset: str, overrides: dict):
@@ -298,7 +301,8 @@ def table(result: dict) -> str:
     n = result["rows"][0]["n_params"] if result["rows"] else 0
     lines = [f"### GPT d_model={m['d_model']}, layers={m['n_layers']}, heads={m['n_heads']}, "
              f"context={m['context']}, batch={s['batch']} ({n / 1e6:.2f}M parameters"
-             f"{', activation checkpointing' if m.get('checkpoint_activations') else ''}); "
+             f"{', activation checkpointing' if m.get('checkpoint_activations') else ''}"
+             f"{', MLP activation kept' if m.get('recompute_mlp') is False else ''}); "
              f"{s['steps']} timed steps after {s['warmup']}, {s.get('rounds', 1)} round(s) "
              "(medians)", "",
              "| mode | tokens/s | x autocast | step ms (median) | step ms (p90) | "
@@ -342,6 +346,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-activations", action="store_true", default=None,
                    help="every mode recomputes each block's activations during backward "
                         "(the saved activations shrink to the blocks' inputs)")
+    p.add_argument("--recompute-mlp", action=argparse.BooleanOptionalAction, default=None,
+                   help="every mode keeps only the inputs of the MLP's activation and "
+                        "computes it again in backward (default: the preset's, on)")
     p.add_argument("--steps", type=int, default=20,
                    help="timed steps of every mode per speed round (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")

@@ -102,6 +102,10 @@ class ModelConfig:
     checkpoint_activations: bool = _opt(
         False, "recompute each block's activations during backward (torch.utils.checkpoint): "
         "the saved activations shrink to the blocks' inputs, for one more forward pass")
+    recompute_mlp: bool = _opt(
+        True, "keep only the inputs of the MLP's activation (GELU, SwiGLU) for backward and "
+        "compute the activation again there: one (tokens x d_ff) tensor less per layer (two "
+        "for llama), the same gradients bit for bit (our models; not --hf)")
     hf: bool = _opt(False, "build the transformers model (GPT2LMHeadModel, LlamaForCausalLM, "
                     "BertForMaskedLM) from a config instead of our own modules")
 

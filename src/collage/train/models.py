@@ -17,7 +17,7 @@ kernels do), so the same code runs in float32 and in bfloat16.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +74,93 @@ def _run_blocks(blocks: nn.ModuleList, x: torch.Tensor, checkpointed: bool) -> t
     return x
 
 
+def _saved_tensors_hooks_active() -> bool:
+    """Whether some saved-tensor hooks (a checkpoint, ``save_on_cpu``) are installed already.
+    Ours would replace them for the tensors we save (only the innermost hooks act), so the
+    recomputing path stands aside; torch's own checkpoint asks the same question. If a torch
+    release drops the query, we answer yes: the plain path is always correct."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
+class _Recipe(NamedTuple):
+    """Where a saved view of a recomputed tensor sat: rebuilt on unpack."""
+
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _recomputed_input_linear(linear: nn.Module, fn, *inputs: torch.Tensor) -> torch.Tensor:
+    """``linear(fn(*inputs))``, but autograd keeps ``inputs`` instead of ``fn(*inputs)``.
+
+    A linear layer saves its input for the weight's gradient. When that input is an
+    activation (GELU, SwiGLU) whose own inputs are saved anyway, keeping it costs a (tokens,
+    d_ff) tensor per layer for nothing: backward can compute it again. The saved-tensor hook
+    swaps exactly that one tensor (identity, not equality) for a recipe and recomputes it,
+    without grad, under the autocast state of the forward. ``fn`` is deterministic and
+    elementwise, so the recomputed tensor is bit for bit the one forward made, and the
+    gradients are those of the plain path (tested). Where autograd is off, or other
+    saved-tensor hooks are active, or ``torch.compile`` traces (its partitioner decides what
+    to recompute), this is the plain ``linear(fn(*inputs))``."""
+    hidden = fn(*inputs)
+    if (not torch.is_grad_enabled() or not hidden.requires_grad or hidden.numel() == 0
+            or torch.compiler.is_compiling() or _saved_tensors_hooks_active()):
+        return linear(hidden)
+    device = hidden.device.type
+    autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+    # the hooks live as long as the graph: they must not hold ``hidden`` itself
+    storage, dtype, stride = hidden.untyped_storage().data_ptr(), hidden.dtype, hidden.stride()
+
+    def pack(tensor: torch.Tensor):
+        # The linear layer saves a view of ``hidden`` (folded to 2-D), not ``hidden``
+        # itself: what is ours is told by its storage, and its view is rebuilt on unpack.
+        if tensor.dtype != dtype or tensor.untyped_storage().data_ptr() != storage:
+            return tensor
+        return _Recipe(tensor.size(), tensor.stride(), tensor.storage_offset())
+
+    def unpack(packed):
+        if not isinstance(packed, _Recipe):
+            return packed
+        with torch.no_grad(), torch.autocast(device, dtype=autocast[1], enabled=autocast[0]):
+            again = fn(*inputs)
+        # elementwise ops on the same inputs give the same layout; a view of another
+        # layout would read the wrong elements, so that is checked, not assumed
+        assert again.stride() == stride, (again.stride(), stride)
+        return again.as_strided(packed.size, packed.stride, packed.offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return linear(hidden)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` saving only ``gate`` and ``up``: plain autograd also keeps
+    ``silu(gate)`` for the product's backward. The backward is autograd's own, op for op
+    (``grad * up`` into ``silu_backward``, ``grad * silu(gate)``), so it is bit for bit the
+    same, with ``silu(gate)`` computed again."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate) \
+            if ctx.needs_input_grad[0] else None
+        grad_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
+        return grad_gate, grad_up
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _SwiGLU.apply(gate, up)
+
+
 # --------------------------------------------------------------------------------------------
 # GPT-2
 # --------------------------------------------------------------------------------------------
@@ -97,9 +184,12 @@ class GPTMLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(cfg.d_model, cfg.ffn_dim)
         self.c_proj = nn.Linear(cfg.ffn_dim, cfg.d_model)
+        self.recompute = cfg.recompute_mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        if self.recompute:
+            return _recomputed_input_linear(self.c_proj, _gelu_tanh, self.c_fc(x))
+        return self.c_proj(_gelu_tanh(self.c_fc(x)))
 
 
 class GPTBlock(nn.Module):
@@ -183,9 +273,13 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
         self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+        self.recompute = cfg.recompute_mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.recompute:
+            return _recomputed_input_linear(self.down_proj, _swiglu, gate, up)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaLayer(nn.Module):
@@ -247,14 +341,17 @@ class BertLayer(nn.Module):
         self.output = nn.Module()
         self.output.dense = nn.Linear(cfg.ffn_dim, d)
         self.output.LayerNorm = nn.LayerNorm(d, eps=1e-12)
+        self.recompute = cfg.recompute_mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, o = self.attention.self, self.attention.output
         q, k, v = (_heads(m(x), self.n_heads) for m in (s.query, s.key, s.value))
         a = _merge(_attention(q, k, v, False, self.p, self.training))
         x = o.LayerNorm(x + F.dropout(o.dense(a), self.p, self.training))
-        h = F.gelu(self.intermediate.dense(x))
-        return self.output.LayerNorm(x + F.dropout(self.output.dense(h), self.p, self.training))
+        pre = self.intermediate.dense(x)
+        h = _recomputed_input_linear(self.output.dense, F.gelu, pre) if self.recompute \
+            else self.output.dense(F.gelu(pre))
+        return self.output.LayerNorm(x + F.dropout(h, self.p, self.training))
 
 
 class Bert(nn.Module):
