@@ -222,15 +222,18 @@ def _peak_bytes(cfg, dtype, autocast, tokens):
 @pytest.mark.parametrize("dtype,autocast", PRECISIONS[1:], ids=["bf16", "autocast"])
 def test_recomputed_mlp_drops_exactly_the_activations(family, dtype, autocast):
     """The step's peak (at the start of backward, with every activation saved) falls by
-    exactly the tensors no longer kept, counted by the allocator: per layer one (tokens,
-    d_ff) bf16 tensor, the activation's output; for llama two, silu(gate) too."""
+    the tensors no longer kept, counted by the allocator: per layer one (tokens, d_ff) bf16
+    tensor, the activation's output; for llama two, silu(gate) too."""
     config = ModelConfig(family=family, d_model=64, n_layers=3, n_heads=4, context=64)
     tokens = (4, 64)
     plain = _peak_bytes(dataclasses.replace(config, recompute_mlp=False), dtype, autocast,
                         tokens)
     lean = _peak_bytes(config, dtype, autocast, tokens)
     per_layer = (2 if family == "llama" else 1) * 4 * 64 * config.ffn_dim * 2  # bf16 bytes
-    assert plain - lean == config.n_layers * per_layer
+    # Tolerance 1 KiB: a 128-byte allocation sometimes is and sometimes is not alive at the
+    # peak (in both models, from run to run of the same one, with the GC off too); one
+    # layer's tensor is 128 KiB or more, so no other count of tensors fits.
+    assert abs((plain - lean) - config.n_layers * per_layer) <= 1024, (plain, lean)
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])

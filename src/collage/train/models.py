@@ -97,14 +97,15 @@ def _recomputed_input_linear(linear: nn.Module, fn, *inputs: torch.Tensor) -> to
     A linear layer saves its input for the weight's gradient. When that input is an
     activation (GELU, SwiGLU) whose own inputs are saved anyway, keeping it costs a (tokens,
     d_ff) tensor per layer for nothing: backward can compute it again. The saved-tensor hook
-    swaps exactly that one tensor (identity, not equality) for a recipe and recomputes it,
-    without grad, under the autocast state of the forward. ``fn`` is deterministic and
+    swaps what the layer saves of that tensor (a view of its storage) for a recipe and
+    recomputes it, without grad, under the autocast state of the forward. ``fn`` is deterministic and
     elementwise, so the recomputed tensor is bit for bit the one forward made, and the
     gradients are those of the plain path (tested). Where autograd is off, or other
     saved-tensor hooks are active, or ``torch.compile`` traces (its partitioner decides what
     to recompute), this is the plain ``linear(fn(*inputs))``."""
     hidden = fn(*inputs)
     if (not torch.is_grad_enabled() or not hidden.requires_grad or hidden.numel() == 0
+            or type(hidden) is not torch.Tensor  # subclasses (DTensor) may have no storage
             or torch.compiler.is_compiling() or _saved_tensors_hooks_active()):
         return linear(hidden)
     device = hidden.device.type
@@ -115,7 +116,8 @@ def _recomputed_input_linear(linear: nn.Module, fn, *inputs: torch.Tensor) -> to
     def pack(tensor: torch.Tensor):
         # The linear layer saves a view of ``hidden`` (folded to 2-D), not ``hidden``
         # itself: what is ours is told by its storage, and its view is rebuilt on unpack.
-        if tensor.dtype != dtype or tensor.untyped_storage().data_ptr() != storage:
+        if (type(tensor) is not torch.Tensor or tensor.dtype != dtype
+                or tensor.untyped_storage().data_ptr() != storage):
             return tensor
         return _Recipe(tensor.size(), tensor.stride(), tensor.storage_offset())
 
@@ -126,7 +128,10 @@ def _recomputed_input_linear(linear: nn.Module, fn, *inputs: torch.Tensor) -> to
             again = fn(*inputs)
         # elementwise ops on the same inputs give the same layout; a view of another
         # layout would read the wrong elements, so that is checked, not assumed
-        assert again.stride() == stride, (again.stride(), stride)
+        if again.stride() != stride:
+            raise RuntimeError(f"recomputed MLP activation has strides {again.stride()}, "
+                               f"forward's had {stride}; build the model with "
+                               "recompute_mlp=False")
         return again.as_strided(packed.size, packed.stride, packed.offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
