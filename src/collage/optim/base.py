@@ -9,8 +9,9 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.optim import Optimizer
@@ -28,6 +29,20 @@ _PATHS = ("reference", "foreach", "fused")
 def _local(tensor):
     """The local shard of a DTensor (FSDP2), or the tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class _FiniteProof(NamedTuple):
+    """A gradient norm taken by :meth:`CollageOptimizer.clip_grad_norm_` and the gradients
+    it was taken over (weak references and their version counters after clipping)."""
+
+    norm: torch.Tensor
+    grads: list[tuple[weakref.ref, int]]
+
+    def covers(self, grads: list[torch.Tensor]) -> bool:
+        """Whether ``grads`` are exactly the tensors measured, unmodified since."""
+        return len(grads) == len(self.grads) and all(
+            ref() is grad and grad._version == version
+            for (ref, version), grad in zip(self.grads, grads))
 
 
 def _number(value: Any, name: str) -> float:
@@ -133,6 +148,7 @@ class CollageOptimizer(Optimizer):
         self._generators: dict[torch.device, torch.Generator] = {}
         self._positions: dict[int, int] | None = None
         self._warned_fused = False
+        self._finite_proof: _FiniteProof | None = None
         # what the fused path ran last: "native" (CPU C kernels) or "inductor" (benchmarks)
         self._fused_backend: str | None = None
         defaults = dict(defaults, strategy=strategy, foreach=foreach, fused=fused)
@@ -217,6 +233,7 @@ class CollageOptimizer(Optimizer):
 
     def _gradients_usable(self, batches, shard_group) -> bool:
         """Apply the GradScaler verdict and the non-finite policy with one host sync."""
+        proof, self._finite_proof = self._finite_proof, None  # good for one step at most
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None:
             # GradScaler already checked every gradient; it skips (and we count) on overflow.
@@ -226,6 +243,15 @@ class CollageOptimizer(Optimizer):
             return True
         if self.nonfinite == "ignore":
             return True
+        if proof is not None and shard_group is None and proof.covers(
+                [grad for _, _, items in batches for _, _, grad in items]):
+            # A finite norm of these very gradients (clip_grad_norm_) proves every element
+            # finite: the check's read of every gradient is skipped. A non-finite norm
+            # proves nothing (finite gradients can overflow it): the check runs.
+            norm = proof.norm.full_tensor() if hasattr(proof.norm, "full_tensor") \
+                else proof.norm
+            if bool(torch.isfinite(norm)):
+                return True
         grads = [_local(grad) for _, _, items in batches for _, _, grad in items]
         if not grads:
             return True
@@ -247,6 +273,33 @@ class CollageOptimizer(Optimizer):
                       f"({self.skipped_steps} skipped so far); weights and states unchanged",
                       RuntimeWarning, stacklevel=3)
         return False
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over this optimizer's parameters (those with a
+        gradient); returns the total norm. The same arguments, the same clipping, the same
+        result bit for bit.
+
+        One thing more: a finite total norm (``norm_type > 0``) proves every gradient
+        element finite, since an inf or nan element makes the norm inf or nan. So the next
+        :meth:`step` skips its own non-finite check (``nonfinite='skip'`` or ``'raise'``),
+        one read of every gradient, about 10-15 % of a fused step. The proof holds for the
+        gradients just clipped: the next step checks that it sees the same tensors, not
+        modified since (their version counters), and otherwise checks as usual; it is used
+        by one step at most. Parameters sharded over ranks (FSDP2) are checked as usual.
+        """
+        params = [p for group in self.param_groups for p in group["params"]
+                  if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                              error_if_nonfinite=error_if_nonfinite,
+                                              foreach=foreach)
+        self._finite_proof = None
+        if float(norm_type) > 0:  # the 0-"norm" counts non-zeros: inf counts as 1
+            self._finite_proof = _FiniteProof(
+                norm, [(weakref.ref(p.grad), p.grad._version) for p in params])
+        return norm
 
     @staticmethod
     def _nonfinite_flag(grads: list[torch.Tensor]) -> torch.Tensor:
