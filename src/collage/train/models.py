@@ -98,9 +98,9 @@ def _recomputed_input_linear(linear: nn.Module, fn, *inputs: torch.Tensor) -> to
     activation (GELU, SwiGLU) whose own inputs are saved anyway, keeping it costs a (tokens,
     d_ff) tensor per layer for nothing: backward can compute it again. The saved-tensor hook
     swaps what the layer saves of that tensor (a view of its storage) for a recipe and
-    recomputes it, without grad, under the autocast state of the forward. ``fn`` is deterministic and
-    elementwise, so the recomputed tensor is bit for bit the one forward made, and the
-    gradients are those of the plain path (tested). Where autograd is off, or other
+    recomputes it, without grad, under the autocast state of the forward. ``fn`` is
+    deterministic and elementwise, so the recomputed tensor is bit for bit the one forward
+    made, and the gradients are those of the plain path (tested). Where autograd is off, or other
     saved-tensor hooks are active, or ``torch.compile`` traces (its partitioner decides what
     to recompute), this is the plain ``linear(fn(*inputs))``."""
     hidden = fn(*inputs)
