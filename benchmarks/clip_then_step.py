@@ -28,16 +28,7 @@ import torch
 
 import collage
 from collage.bench.common import SIZES, gpt_shapes
-
-
-def _params(size: str, seed: int = 0) -> list[torch.nn.Parameter]:
-    generator = torch.Generator().manual_seed(seed)
-    params = []
-    for _, shape in gpt_shapes(size):
-        p = torch.nn.Parameter(torch.randn(shape, generator=generator).mul_(0.02).bfloat16())
-        p.grad = torch.randn(shape, generator=generator).mul_(1e-3).bfloat16()
-        params.append(p)
-    return params
+from collage.bench.optimizer import _params  # what `collage bench optimizer` steps
 
 
 def _variants(size: str, strategy: str):
@@ -53,7 +44,7 @@ def _variants(size: str, strategy: str):
     for name, fn, nonfinite in (("torch clip", torch_clip, "skip"),
                                 ("opt.clip_grad_norm_", our_clip, "skip"),
                                 ("no check", torch_clip, "ignore")):
-        params = _params(size)
+        params = _params(gpt_shapes(size), torch.bfloat16, torch.device("cpu"), seed=0)
         opt = collage.AdamW(params, lr=1e-3, strategy=strategy, fused=True,
                             nonfinite=nonfinite)
         out[name] = (fn, params, opt)

@@ -121,10 +121,12 @@ def test_hf_models_build_offline(family):
     assert getattr(checkpointed, name)
 
 
-def _gradients(model, x, seed):
+def _gradients(model, x, seed: int = 5, autocast: bool = False):
     torch.manual_seed(seed)  # dropout masks
     model.zero_grad(set_to_none=True)
-    logits_of(model, x).float().logsumexp(-1).mean().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = logits_of(model, x)
+    logits.float().logsumexp(-1).mean().backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
@@ -174,15 +176,6 @@ def test_activation_checkpointing_saves_only_block_inputs(family):
         assert torch.equal(logits_of(model, x), logits_of(reference, x))
 
 
-def _gradients_under(model, x, *, autocast: bool, seed: int = 5):
-    torch.manual_seed(seed)  # dropout masks
-    model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        logits = logits_of(model, x)
-    logits.float().logsumexp(-1).mean().backward()
-    return {name: p.grad.clone() for name, p in model.named_parameters()}
-
-
 PRECISIONS = [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)]
 
 
@@ -198,8 +191,8 @@ def test_recomputed_mlp_gives_the_same_gradients_bit_for_bit(family, dtype, auto
                         seed=0).to(dtype)
     lean = build_model(config, VOCAB_SIZE, seed=0).to(dtype)
     x = torch.randint(0, 256, (3, 16))
-    want = _gradients_under(plain, x, autocast=autocast)
-    got = _gradients_under(lean, x, autocast=autocast)
+    want = _gradients(plain, x, autocast=autocast)
+    got = _gradients(lean, x, autocast=autocast)
     assert want.keys() == got.keys()
     for name in want:
         assert torch.equal(want[name], got[name]), name
@@ -244,7 +237,7 @@ def test_recomputed_mlp_stands_aside_under_other_saved_tensor_hooks(family):
     config = tiny(family)
     model = build_model(config, VOCAB_SIZE, seed=0)
     x = torch.randint(0, 256, (3, 16))
-    want = _gradients_under(model, x, autocast=False)
+    want = _gradients(model, x)
     seen = []
 
     def pack(tensor):

@@ -243,8 +243,10 @@ class CollageOptimizer(Optimizer):
             return True
         if self.nonfinite == "ignore":
             return True
-        if proof is not None and shard_group is None and proof.covers(
-                [grad for _, _, items in batches for _, _, grad in items]):
+        grads = [grad for _, _, items in batches for _, _, grad in items]
+        if not grads:
+            return True
+        if proof is not None and shard_group is None and proof.covers(grads):
             # A finite norm of these very gradients (clip_grad_norm_) proves every element
             # finite: the check's read of every gradient is skipped. A non-finite norm
             # proves nothing (finite gradients can overflow it): the check runs.
@@ -252,10 +254,7 @@ class CollageOptimizer(Optimizer):
                 else proof.norm
             if bool(torch.isfinite(norm)):
                 return True
-        grads = [_local(grad) for _, _, items in batches for _, _, grad in items]
-        if not grads:
-            return True
-        bad = self._nonfinite_flag(grads)
+        bad = self._nonfinite_flag([_local(grad) for grad in grads])
         bad = self._all_ranks_max(bad, shard_group)
         if not bool(bad.item()):
             return True

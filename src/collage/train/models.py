@@ -100,9 +100,9 @@ def _recomputed_input_linear(linear: nn.Module, fn, *inputs: torch.Tensor) -> to
     swaps what the layer saves of that tensor (a view of its storage) for a recipe and
     recomputes it, without grad, under the autocast state of the forward. ``fn`` is
     deterministic and elementwise, so the recomputed tensor is bit for bit the one forward
-    made, and the gradients are those of the plain path (tested). Where autograd is off, or other
-    saved-tensor hooks are active, or ``torch.compile`` traces (its partitioner decides what
-    to recompute), this is the plain ``linear(fn(*inputs))``."""
+    made, and the gradients are those of the plain path (tested). Where autograd is off,
+    other saved-tensor hooks are active or ``torch.compile`` traces (its partitioner decides
+    what to recompute), this is the plain ``linear(fn(*inputs))``."""
     hidden = fn(*inputs)
     if (not torch.is_grad_enabled() or not hidden.requires_grad or hidden.numel() == 0
             or type(hidden) is not torch.Tensor  # subclasses (DTensor) may have no storage
