@@ -45,7 +45,7 @@ fixed (``2**-9 * s``; pair11: ``2**-17 * s``), and stochastic rounding still kee
 Each format has a float32 implementation (integer bit operations, compiles inside the fused
 kernels) and a float64 reference written from the definition (``frexp``, ``floor``); given
 the same uniforms they agree bit for bit on float32 input (``tests/optim/test_eight_bit.py``).
-Uniforms are float32 on a 2**-24 grid (``fused.counter_uniform`` / ``torch.rand``): the
+Uniforms are float32 on a 2**-24 grid (``draws.counter_uniform``): the
 rounding probability is then exact whenever the distance is a multiple of 2**-24 of the
 spacing, which holds for every float32 input (the grid has at most 11 significant bits).
 """

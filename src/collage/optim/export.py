@@ -6,8 +6,8 @@ import torch
 
 from .. import mcf
 from . import kernels
-from .base import CollageOptimizer, _local
-from .rounding import split_encode
+from .base import CollageOptimizer
+from .group import local as _local
 from .strategies import get_strategy
 
 __all__ = ["consolidate", "load_full_precision"]
@@ -83,9 +83,10 @@ def load_full_precision(model: torch.nn.Module, optimizer: CollageOptimizer,
         strategy = get_strategy(group["strategy"])
         state = optimizer.state[param]
         if not state:
-            kernels.init_state(optimizer.rule, strategy, param, state)
-        _set_components(strategy.name, _local(param), {k: _local(v) for k, v in state.items()},
-                        _local_slice(value, param))
+            strategy.init_state(optimizer.rule, param, state)
+        local_param = _local(param)
+        wide = _local_slice(value, param).to(device=local_param.device, dtype=torch.float64)
+        strategy.set_from_full(local_param, {k: _local(v) for k, v in state.items()}, wide)
     for name, buffer in model.named_buffers():
         if name in state_dict:
             buffer.copy_(state_dict[name])
@@ -99,25 +100,3 @@ def _local_slice(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
     return distribute_tensor(value.to(param.device), param.device_mesh,
                              param.placements).to_local()
-
-
-def _set_components(name: str, param, state, value) -> None:
-    wide = value.to(device=param.device, dtype=torch.float64)
-    if name == "fp32":
-        param.copy_(value)
-    elif name == "mixed":
-        state["master"].copy_(mcf.round_to(wide, torch.float32))
-        param.copy_(state["master"])
-    elif name in ("bf16", "stochastic"):
-        param.copy_(mcf.round_to(wide, param.dtype))
-    elif name == "kahan":
-        param.copy_(mcf.round_to(wide, param.dtype))
-        state["compensation"].copy_(mcf.round_to(wide - param.double(), param.dtype))
-    elif name in ("light", "plus", "plus8"):
-        hi, lo = mcf.split(wide, param.dtype, 2)
-        param.copy_(hi)
-        state["weight_lo"].copy_(lo)
-    elif name == "split":
-        weight, low_bits = split_encode(mcf.round_to(wide, torch.float32))
-        param.copy_(weight)
-        state["weight_low_bits"].copy_(low_bits)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .base import CollageOptimizer, _number
+from .base import CollageOptimizer
 from .rules import ADAMW, LION, SGD as SGD_RULE
 
 __all__ = ["AdamW", "SGD", "Lion"]
@@ -14,15 +14,16 @@ _SHARED_DOC = """
         ``mixed``, ``bf16``, ``kahan``, ``stochastic``, ``light``, ``plus``, ``split``
         (``docs/strategies.md``), and for AdamW ``plus8`` (8-bit moments,
         ``docs/eight_bit.md``). Also a per-param-group key. Default ``"plus"``.
-    foreach, fused: implementation, following torch.optim: ``fused=True`` runs the
-        float32-register kernel compiled: on CPU, AdamW groups with bf16 weights (fp32 for
-        ``fp32``) run native C kernels (``collage.optim.native``, built on first use),
-        everything else torch.compile (falls back to foreach with one warning);
-        ``foreach=True`` runs that kernel eagerly; ``foreach=False`` (and fused not True)
-        selects the *reference* path, op by op in the weight dtype (paper-faithful,
-        bitwise deterministic, slow). None chooses: fused on CUDA, and on CPU where the
-        native kernels cover the group (measured steps, ``track_updates``, then stay
-        eager); foreach elsewhere. ``COLLAGE_NATIVE=0`` turns the native kernels off.
+    foreach, fused, reference: the implementation (``docs/design.md``), with torch.optim's
+        meaning: ``fused=True`` runs the float32 kernel compiled (on CPU, AdamW groups with
+        bf16 weights, or fp32 for ``fp32``, run native C kernels built on first use; the
+        rest torch.compile, falling back to foreach with one warning); ``foreach=True`` runs
+        it eagerly with the group's small tensors batched; ``foreach=False`` runs the same
+        arithmetic one tensor at a time (bit for bit ``foreach=True``'s). None chooses:
+        native on CPU where it covers the group, compiled on CUDA, foreach elsewhere.
+        ``reference=True`` runs the research algorithm op by op in the weight dtype
+        (slow; for studies of the arithmetic). ``COLLAGE_NATIVE=0`` turns the native
+        kernels off.
     track_updates: measure lost updates (EDQ, imprecision) every step (True) or every k-th
         step (int k); results in ``optimizer.update_stats``. Off (zero cost) by default.
     nonfinite: what a step does when a gradient holds inf/nan: ``"skip"`` (default: nothing
@@ -56,6 +57,7 @@ class AdamW(CollageOptimizer):
         maximize: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
+        reference: bool = False,
         track_updates: bool | int = False,
         nonfinite: str = "skip",
         seed: int = 0,
@@ -63,13 +65,8 @@ class AdamW(CollageOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
                         eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
-                         track_updates=track_updates, nonfinite=nonfinite, seed=seed)
-
-    def _validate_hyperparameters(self, group: dict) -> None:
-        super()._validate_hyperparameters(group)
-        if _number(group["eps"], "eps") < 0:
-            raise ValueError(f"eps must be >= 0, got {group['eps']}")
-        self._check_betas(group["betas"])
+                         reference=reference, track_updates=track_updates,
+                         nonfinite=nonfinite, seed=seed)
 
 
 class SGD(CollageOptimizer):
@@ -95,6 +92,7 @@ class SGD(CollageOptimizer):
         maximize: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
+        reference: bool = False,
         track_updates: bool | int = False,
         nonfinite: str = "skip",
         seed: int = 0,
@@ -102,16 +100,8 @@ class SGD(CollageOptimizer):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
         super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
-                         track_updates=track_updates, nonfinite=nonfinite, seed=seed)
-
-    def _validate_hyperparameters(self, group: dict) -> None:
-        super()._validate_hyperparameters(group)
-        momentum = _number(group["momentum"], "momentum")
-        if momentum < 0:
-            raise ValueError(f"momentum must be >= 0, got {momentum}")
-        _number(group["dampening"], "dampening")
-        if group["nesterov"] and (momentum <= 0 or group["dampening"] != 0):
-            raise ValueError("nesterov=True needs momentum > 0 and dampening == 0")
+                         reference=reference, track_updates=track_updates,
+                         nonfinite=nonfinite, seed=seed)
 
 
 class Lion(CollageOptimizer):
@@ -136,6 +126,7 @@ class Lion(CollageOptimizer):
         maximize: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
+        reference: bool = False,
         track_updates: bool | int = False,
         nonfinite: str = "skip",
         seed: int = 0,
@@ -143,8 +134,6 @@ class Lion(CollageOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
                         weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
-                         track_updates=track_updates, nonfinite=nonfinite, seed=seed)
+                         reference=reference, track_updates=track_updates,
+                         nonfinite=nonfinite, seed=seed)
 
-    def _validate_hyperparameters(self, group: dict) -> None:
-        super()._validate_hyperparameters(group)
-        self._check_betas(group["betas"])

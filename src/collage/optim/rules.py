@@ -26,17 +26,45 @@ import torch
 from .. import mcf
 from .rounding import LowpArith
 
-__all__ = ["Rule", "ADAMW", "SGD", "LION", "RULES"]
+__all__ = ["Rule", "StateSpec", "ADAMW", "SGD", "LION", "RULES", "reference_decay_term",
+           "number", "check_betas"]
 
 Coeffs = Mapping[str, float]
 
 
 @dataclass(frozen=True)
 class StateSpec:
-    """One state tensor of a rule. ``slow``: an EMA with beta near 1 (MCF under 'plus')."""
+    """One state tensor of a rule. ``slow``: an EMA with beta near 1 (a pair under the
+    strategies with ``mcf_slow_states``); ``label``: its short name in tables."""
 
     name: str
     slow: bool
+    label: str
+
+
+def number(value, name: str) -> float:
+    """A hyperparameter as a Python float; 0-d tensors (e.g. a tensor lr) are accepted."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got shape "
+                             f"{tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def check_betas(betas) -> None:
+    """A ValueError unless ``betas`` is a pair of numbers in [0, 1)."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for index, beta in enumerate(betas):
+        value = number(beta, f"betas[{index}]")
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"betas[{index}] must be in [0, 1), got {beta}")
 
 
 class Rule:
@@ -45,6 +73,13 @@ class Rule:
     # Coefficients the kernels branch on: kept as Python values in the compiled path (a
     # change recompiles); every other coefficient becomes a 0-d tensor (no recompilation).
     static: frozenset[str] = frozenset()
+
+    def validate(self, hyper: Mapping) -> None:
+        """Check the hyperparameters; errors name the argument."""
+        if number(hyper["lr"], "lr") < 0:
+            raise ValueError(f"lr must be >= 0, got {hyper['lr']}")
+        if number(hyper["weight_decay"], "weight_decay") < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {hyper['weight_decay']}")
 
     def coefficients(self, group: Mapping, step: int) -> dict[str, float]:
         raise NotImplementedError
@@ -56,7 +91,7 @@ class Rule:
         raise NotImplementedError
 
 
-def _reference_decay_term(ar: LowpArith, weight: torch.Tensor, u: torch.Tensor, c: Coeffs):
+def reference_decay_term(ar: LowpArith, weight: torch.Tensor, u: torch.Tensor, c: Coeffs):
     """``fl(fl(-lr*wd) * w) + u`` rounded: the weight-decay step folded into the update."""
     if c["lr_wd"] == 0.0:
         return u
@@ -83,7 +118,13 @@ def _reference_ema(ar: LowpArith, states: dict, name: str, beta: float, x, mcf_s
 
 class AdamWRule(Rule):
     name = "adamw"
-    states = (StateSpec("exp_avg", False), StateSpec("exp_avg_sq", True))
+    states = (StateSpec("exp_avg", False, "m"), StateSpec("exp_avg_sq", True, "v"))
+
+    def validate(self, hyper: Mapping) -> None:
+        super().validate(hyper)
+        if number(hyper["eps"], "eps") < 0:
+            raise ValueError(f"eps must be >= 0, got {hyper['eps']}")
+        check_betas(hyper["betas"])
 
     def coefficients(self, group: Mapping, step: int) -> dict[str, float]:
         beta1, beta2 = group["betas"]
@@ -125,15 +166,24 @@ class AdamWRule(Rule):
         root = ar.div(ar.sqrt(states["exp_avg_sq"]), ar.c(c["bias_correction2_sqrt"], grad))
         denom = ar.add(root, ar.c(c["eps"], grad))
         update = ar.div(ar.mul(ar.c(-c["step_size"], grad), states["exp_avg"]), denom)
-        return _reference_decay_term(ar, weight, update, c)
+        return reference_decay_term(ar, weight, update, c)
 
 
 class SGDRule(Rule):
     """torch.optim.SGD semantics: coupled weight decay, dampening, Nesterov."""
 
     name = "sgd"
-    states = (StateSpec("momentum_buffer", False),)
+    states = (StateSpec("momentum_buffer", False, "momentum"),)
     static = frozenset({"weight_decay", "momentum", "nesterov", "first_step"})
+
+    def validate(self, hyper: Mapping) -> None:
+        super().validate(hyper)
+        momentum = number(hyper["momentum"], "momentum")
+        if momentum < 0:
+            raise ValueError(f"momentum must be >= 0, got {momentum}")
+        number(hyper["dampening"], "dampening")
+        if hyper["nesterov"] and (momentum <= 0 or hyper["dampening"] != 0):
+            raise ValueError("nesterov=True needs momentum > 0 and dampening == 0")
 
     def coefficients(self, group: Mapping, step: int) -> dict[str, float]:
         return {
@@ -182,7 +232,11 @@ class LionRule(Rule):
     ``m = b2 m + (1-b2) g``; m is the slow EMA (MCF under 'plus')."""
 
     name = "lion"
-    states = (StateSpec("exp_avg", True),)
+    states = (StateSpec("exp_avg", True, "m"),)
+
+    def validate(self, hyper: Mapping) -> None:
+        super().validate(hyper)
+        check_betas(hyper["betas"])
 
     def coefficients(self, group: Mapping, step: int) -> dict[str, float]:
         beta1, beta2 = group["betas"]
@@ -210,7 +264,7 @@ class LionRule(Rule):
         )
         update = ar.mul(ar.c(-c["lr"], grad), mixed.sign())
         _reference_ema(ar, states, "exp_avg", c["beta2"], grad, mcf_slow)
-        return _reference_decay_term(ar, weight, update, c)
+        return reference_decay_term(ar, weight, update, c)
 
 
 ADAMW = AdamWRule()

@@ -1,0 +1,101 @@
+"""The one dispatch: which implementation steps a parameter group.
+
+:func:`choose` decides from plain data (the flags, the tensors' device, the rule and
+strategy), like ``torch.optim``'s ``_default_to_fused_or_foreach``; :func:`step_group` runs
+the choice. The paths compute the same float32 arithmetic (``kernels.fast_step``) except
+``reference``:
+
+=============  =========================================  ===============================
+path           selected by                                what runs
+=============  =========================================  ===============================
+``reference``  ``reference=True``                         op by op in the weight dtype
+``per_tensor`` ``foreach=False``                          eager torch ops, tensor by tensor
+``foreach``    ``foreach=True``; the default where         eager, small tensors batched
+               nothing faster covers the group
+``native``     CPU, ``fused=True`` or default, where the  hand-written C (``native/``)
+               native kernels cover the group
+``compiled``   ``fused=True`` elsewhere; the default on   torch.compile (inductor: C++ on
+               CUDA                                       CPU, Triton on GPU)
+=============  =========================================  ===============================
+
+A compiled path that cannot compile (no C++ compiler, no Triton, an inductor failure)
+runs ``foreach`` with one warning. Tensors a fast path cannot take (not contiguous, on
+another device than the group's first, a shard that is not one flat range) run the eager
+kernel one by one, with the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import compiled, eager, native
+from .group import Entry, GroupStep, entries_of, local
+from .native import path as native_path
+
+__all__ = ["PATHS", "choose", "step_group"]
+
+PATHS = ("reference", "per_tensor", "foreach", "native", "compiled")
+
+
+def choose(group: GroupStep, device: torch.device) -> str:
+    """The path of ``group`` whose tensors are on ``device`` (see the module table)."""
+    if group.reference:
+        return "reference"
+    if group.foreach is False:
+        return "per_tensor"
+    if group.foreach:
+        return "foreach"
+    if group.fused is not False and device.type == "cpu" and _native_covers(group):
+        return "native"
+    if group.fused or (group.fused is None and device.type == "cuda"):
+        if compiled.available():
+            return "compiled"
+        if group.fused:
+            group.warn("torch.compile has no C++ compiler or Triton here")
+    return "foreach"
+
+
+def _native_covers(group: GroupStep) -> bool:
+    return native.covers(group.rule, group.strategy, [local(i.param) for i in group.items],
+                         [local(i.grad) for i in group.items])
+
+
+def step_group(group: GroupStep) -> str | None:
+    """Step every item of ``group`` (all have gradients); returns the path that ran (None
+    for an empty group)."""
+    if not group.items:
+        return None
+    if native_path.step_planned(group):
+        return "native"
+    path = choose(group, local(group.items[0].param).device)
+    entries = entries_of(group)
+    runner = {"reference": eager.step_reference, "per_tensor": eager.step_per_tensor,
+              "foreach": eager.step_foreach, "native": _step_native,
+              "compiled": _step_compiled}[path]
+    runner(group, entries)
+    return path
+
+
+def _step_native(group: GroupStep, entries: list[Entry]) -> None:
+    covered = native_path.native_entries(group, entries)
+    native_path.step_native(group, covered, whole_group=len(covered) == len(entries))
+    _step_rest(group, entries, covered)
+
+
+def _step_compiled(group: GroupStep, entries: list[Entry]) -> None:
+    device = entries[0].param.device
+    fit = [e for e in entries if e.offset is not None and e.contiguous_on(device)]
+    if fit:
+        if group.stats is not None:
+            compiled.step_compiled_measured(group, fit)
+        else:
+            compiled.step_compiled(group, fit)
+    _step_rest(group, entries, fit)
+
+
+def _step_rest(group: GroupStep, entries: list[Entry], done: list[Entry]) -> None:
+    """The entries a fast path left (rare layouts): the eager kernel, one by one."""
+    stepped = {id(entry) for entry in done}
+    for entry in entries:
+        if id(entry) not in stepped:
+            eager.step_one(group, entry, reference=False)

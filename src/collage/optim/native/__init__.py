@@ -1,0 +1,42 @@
+"""Native CPU kernels: AdamW under every strategy with a ``native_code``, hand-written C
+called through ctypes.
+
+On CPU the native path runs these where they cover a group (:func:`covers`); ``build``
+compiles and caches the library, ``calls`` makes one call (the table of tensors, threads,
+the non-finite check), ``plan`` reuses a group's call from step to step, and ``path`` is
+the dispatch's entry. ``COLLAGE_NATIVE=0`` turns them off.
+"""
+
+from .build import ABI, SOURCE, available, backend, info, load, loaded
+from .calls import (
+    COLUMN_GRAD,
+    COLUMN_KEY0,
+    COLUMN_KEY1,
+    FIELDS_COUNT,
+    TABLE_COLUMNS,
+    adamw,
+    any_nonfinite,
+    covers,
+    row_layout,
+    row_tensors,
+)
+
+__all__ = [
+    "ABI",
+    "COLUMN_GRAD",
+    "COLUMN_KEY0",
+    "COLUMN_KEY1",
+    "FIELDS_COUNT",
+    "SOURCE",
+    "TABLE_COLUMNS",
+    "adamw",
+    "any_nonfinite",
+    "available",
+    "backend",
+    "covers",
+    "info",
+    "load",
+    "loaded",
+    "row_layout",
+    "row_tensors",
+]

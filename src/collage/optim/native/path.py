@@ -1,0 +1,99 @@
+"""The native path: a group's step as one C call per (step value, gradient dtype)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..draws import stochastic_key
+from ..group import Entry, GroupStep, advance_steps
+from . import calls
+from .plan import NativePlan
+
+__all__ = ["step_planned", "native_entries", "step_native"]
+
+_PLAN = "native_plan"
+
+
+def step_planned(group: GroupStep) -> bool:
+    """Step the group with the plan its last native step left in ``group.cache``; False
+    (nothing changed, the plan dropped) where the plan no longer describes the group."""
+    plan = group.cache.pop(_PLAN, None)
+    if plan is None or group.stats is not None or not plan.step(group):
+        return False
+    group.cache[_PLAN] = plan
+    return True
+
+
+def native_entries(group: GroupStep, entries: list[Entry]) -> list[Entry]:
+    """The entries the kernels can take (their row tensors attached): contiguous CPU
+    tensors of the kernel's dtypes, one flat range each; the rest are left to the caller."""
+    device = torch.device("cpu")
+    out = []
+    for entry in entries:
+        if entry.offset is None or not entry.contiguous_on(device):
+            continue
+        entry.native = calls.row_tensors(group.rule, group.strategy, entry.param, entry.grad,
+                                         entry.tensors, checked=True)
+        if entry.native is not None:
+            out.append(entry)
+    return out
+
+
+def step_native(group: GroupStep, entries: list[Entry], whole_group: bool) -> None:
+    """Step ``entries`` (from :func:`native_entries`): one call per (step value, gradient
+    dtype) over all of them; measured into ``group.stats`` when set. ``whole_group``: the
+    entries are every item of the group, so the call can be planned for the next step."""
+    advance_steps(entries)
+    jobs: dict[tuple, list[int]] = {}
+    for position, entry in enumerate(entries):
+        if entry.numel:
+            jobs.setdefault((entry.step, entry.grad.dtype), []).append(position)
+    sums = None
+    if group.stats is not None:  # one row per entry; an empty tensor adds zeros
+        sums = torch.zeros(len(entries), calls.FIELDS_COUNT, dtype=torch.float64)
+    for (step, _), owners in jobs.items():
+        _call(group, [entries[i] for i in owners], step, sums, owners)
+    if sums is not None:
+        _add_sums(group, entries, sums)
+    elif whole_group:
+        plan = NativePlan.build(group, entries)
+        if plan is not None:
+            group.cache[_PLAN] = plan
+
+
+def _call(group: GroupStep, entries: list[Entry], step: int, sums, owners) -> None:
+    """One C call over ``entries`` (one step value and gradient dtype)."""
+    rows = []
+    for entry in entries:
+        keys = (stochastic_key(group.seed, entry.item.position, step)
+                if group.strategy.draws else (0, 0))
+        rows.append((entry.native, entry.offset, *keys))
+    out = None
+    if sums is not None:  # the usual single job over every entry writes in place
+        whole = len(owners) == sums.shape[0]
+        out = sums if whole else torch.empty(len(rows), calls.FIELDS_COUNT,
+                                             dtype=torch.float64)
+    scale = None if group.grad_scale is None else float(group.grad_scale)
+    calls.adamw(group.strategy, group.coefficients(step), rows, scale=scale,
+                maximize=group.maximize, sums=out)
+    if out is not None and out is not sums:
+        sums[owners] = out
+
+
+def _add_sums(group: GroupStep, entries: list[Entry], sums: torch.Tensor) -> None:
+    """Each entry's row of ``sums`` into its metric keys, once per distinct key: a key
+    shared by every entry (``""``, the group's) adds one float64 total."""
+    by_key: dict[str, list[int]] = {}
+    for position, entry in enumerate(entries):
+        for key in dict.fromkeys(entry.item.stat_keys):
+            by_key.setdefault(key, []).append(position)
+    total = None
+    for key, positions in by_key.items():
+        if len(positions) == 1:
+            row = sums[positions[0]]
+        elif len(positions) == len(entries):
+            total = sums.sum(0) if total is None else total
+            row = total
+        else:
+            row = sums[positions].sum(0)
+        group.stats.add_sums(key, row)

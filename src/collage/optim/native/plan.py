@@ -1,0 +1,159 @@
+"""A group's native call, reused from step to step: its pointer table checked, not rebuilt.
+
+Why: assembling a native call in Python costs far more per tensor than the kernel spends
+on a small tensor: per tensor the state lookups, device, dtype and contiguity checks, the
+table row, and for the step counters a ``_foreach_add_`` plus a ``stack().tolist()``. A
+step of a small model was mostly that (``docs/strategies.md`` has the numbers).
+
+A :class:`NativePlan` keeps the last step's table. The next step checks, per tensor, only
+what can change between steps:
+
+* the parameters with gradients are the same objects in the same order, each with the same
+  state dict (``load_state_dict`` makes new ones);
+* the weight and every state tensor (the step counter included) still have the data
+  pointers of the table, the weight and the gradient are contiguous, the gradient has the
+  table's dtype (``p.data = ...``, a replaced state tensor or a non-contiguous gradient
+  fail the check);
+* the gradient's pointer is read into the table (``zero_grad(set_to_none=True)`` makes new
+  gradients every step);
+* the group's strategy is the plan's;
+* ``stochastic``: the seed and parameter positions are those the plan keyed its rows with.
+  Each row keeps ``draws.mix``'s state after the seed and the position, and C mixes the
+  step in (``collage_stochastic_keys``) instead of Python.
+
+The step counters are advanced in C (``collage_advance_steps``), which first checks that
+every one still holds the plan's step value: a counter changed in place by the user fails
+the check and nothing is written. Any failed check returns False; the caller then takes
+its general path, which rebuilds the plan. The kernel call is the one the general path
+makes (same table, coefficients and flags), so the results are bit for bit the same
+(``tests/optim/test_native_plan.py``).
+
+Plans are made only for what the fast path needs no more for: unmeasured steps of plain
+(non-DTensor) CPU tensors on an OpenMP build of the library, every counter at one step
+value below 2**24. A plan holds its group's state dicts; it lives in the group's cache,
+which ``load_state_dict`` empties (the old tensors are freed at once).
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import torch
+
+from ..draws import MIX_START, mix_state
+from ..group import Entry, GroupStep
+from . import calls
+from .build import loaded
+
+__all__ = ["NativePlan"]
+
+# float32 step counters count exactly up to 2**24 (then + 1 rounds back: torch's counters
+# stop there, and the C check compares floats): plans step while the next count is exact
+_MAX_STEP = 2**24
+
+
+class NativePlan:
+    """The native call of one parameter group, for the steps that follow (see the module
+    docstring). Build with :meth:`build` after a general native step; :meth:`step` runs
+    the next step or returns False having changed nothing."""
+
+    __slots__ = ("lib", "strategy", "params", "states", "keys", "pointers", "table",
+                 "counters", "step_value", "grad_dtype", "key_states", "key_of")
+
+    def __init__(self) -> None:  # use build()
+        self.step_value = 0
+        self.key_states = self.key_of = None
+
+    @classmethod
+    def build(cls, group: GroupStep, entries: list[Entry]) -> NativePlan | None:
+        """A plan from the entries just stepped natively (all of the group's parameters
+        with gradients), or None where the fast path does not apply."""
+        lib = loaded()
+        if lib is None or not lib.collage_native_openmp() or not entries:
+            return None
+        first = entries[0]
+        keys = tuple(key for key, _ in calls.row_layout(group.rule, group.strategy)
+                     if key) + ("step",)
+        rows, pointers, counters = [], [], []
+        for entry in entries:
+            if not _plannable(entry, first):
+                return None
+            # the gradient and the stochastic keys are rewritten every step
+            rows.extend(calls.table_row(entry.native, 0, 0, 0))
+            pointers.append((entry.item.param.data_ptr(),
+                             *[entry.state[key].data_ptr() for key in keys]))
+            counters.append(entry.state["step"].data_ptr())
+        plan = cls()
+        plan.lib = lib
+        plan.strategy = group.strategy
+        if group.strategy.draws:  # draws.mix's state before the step, per row
+            positions = tuple(entry.item.position for entry in entries)
+            plan.key_states = array("Q", [mix_state(MIX_START, group.seed, p)
+                                          for p in positions])
+            plan.key_of = (group.seed, positions)
+        plan.params = [entry.item.param for entry in entries]
+        plan.states = [entry.state for entry in entries]
+        plan.keys = keys
+        plan.pointers = pointers
+        plan.table = array("q", rows)
+        plan.counters = array("q", counters)
+        plan.step_value = first.step
+        plan.grad_dtype = first.grad.dtype
+        return plan
+
+    def step(self, group: GroupStep) -> bool:
+        """Step the group's items if the plan still describes them; False (nothing
+        changed) otherwise."""
+        items = group.items
+        if (len(items) != len(self.params) or self.step_value >= _MAX_STEP
+                or group.strategy is not self.strategy):
+            return False
+        grads = self._gradient_pointers(items)
+        if grads is None:
+            return False
+        self.table[calls.COLUMN_GRAD::calls.TABLE_COLUMNS] = grads
+        step = self.step_value + 1
+        if self.key_of is not None:  # the draws' keys depend on the step: mixed in by C
+            if self.key_of != (group.seed, tuple(item.position for item in items)):
+                return False  # a new seed or parameter order: new key states
+            self.lib.collage_stochastic_keys(len(self.params), self.table.buffer_info()[0],
+                                             self.key_states.buffer_info()[0], step)
+        scale = None if group.grad_scale is None else float(group.grad_scale)
+        flags, h = calls.arguments(group.coefficients(step), scale, group.maximize,
+                                   self.grad_dtype == torch.float32)
+        if not calls.advance_steps(self.lib, self.counters, float(self.step_value)):
+            return False  # a counter was changed: the general path reads them all
+        calls.call_threads(self.lib, self.strategy.native_code, flags, len(self.params),
+                           self.table, h, torch.get_num_threads())
+        self.step_value = step
+        return True
+
+    def _gradient_pointers(self, items) -> array | None:
+        """The gradients' data pointers, or None if a check of the module docstring fails."""
+        keys, grad_dtype = self.keys, self.grad_dtype
+        grads = array("q")
+        for item, known, state, pointers in zip(items, self.params, self.states,
+                                                self.pointers):
+            param, grad = item.param, item.grad
+            if (param is not known or item.state is not state
+                    or grad.dtype != grad_dtype or not grad.is_contiguous()
+                    or not param.is_contiguous()):
+                return None
+            try:
+                now = (param.data_ptr(), *[state[key].data_ptr() for key in keys])
+            except KeyError:
+                return None
+            if now != pointers:
+                return None
+            grads.append(grad.data_ptr())
+        return grads
+
+
+def _plannable(entry: Entry, first: Entry) -> bool:
+    """Whether ``entry`` can be a row of a plan whose first row is ``first``."""
+    counter = entry.state.get("step")
+    return (entry.item.param is entry.param and entry.numel > 0 and entry.offset == 0
+            and entry.step == first.step and entry.step < _MAX_STEP
+            and entry.grad.dtype == first.grad.dtype and counter is not None
+            and counter.dtype == torch.float32 and counter.device.type == "cpu"
+            and counter.numel() == 1)

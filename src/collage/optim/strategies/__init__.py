@@ -1,0 +1,75 @@
+"""Precision strategies: how weights and optimizer states are stored, and how updates land.
+
+An update rule (AdamW, SGD, Lion) computes the *intended* update; the strategy decides the
+storage of the weight, of what is kept beside it and of the rule's states, and the
+arithmetic that lands the update. Each strategy is one module of this package defining a
+:class:`Strategy` subclass and its instance ``STRATEGY``; this registry finds them, so that
+adding a strategy is adding its module (``docs/design.md``). The names are public API.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import torch
+
+from .strategy import Component, Strategy
+
+__all__ = ["STRATEGIES", "Component", "Strategy", "get_strategy", "all_strategies",
+           "check_weight"]
+
+
+def _discover() -> dict[str, Strategy]:
+    """Every module of this package that defines ``STRATEGY``, by ``order``."""
+    found = []
+    for module in pkgutil.iter_modules(__path__):
+        if module.name == "strategy":
+            continue
+        strategy = getattr(importlib.import_module(f"{__name__}.{module.name}"), "STRATEGY",
+                           None)
+        if isinstance(strategy, Strategy):
+            found.append(strategy)
+    found.sort(key=lambda s: (s.order, s.name))
+    return {s.name: s for s in found}
+
+
+_BY_NAME = _discover()
+STRATEGIES: tuple[str, ...] = tuple(_BY_NAME)
+
+
+def all_strategies() -> tuple[Strategy, ...]:
+    """Every strategy, in ``STRATEGIES`` order."""
+    return tuple(_BY_NAME.values())
+
+
+def get_strategy(name: object) -> Strategy:
+    """The :class:`Strategy` called ``name`` (a Strategy is returned as is); a ValueError
+    listing the valid names otherwise."""
+    if isinstance(name, Strategy):
+        return name
+    if not isinstance(name, str) or name not in _BY_NAME:
+        raise ValueError(
+            f"strategy {name!r} is unknown; valid strategies are: {', '.join(STRATEGIES)}"
+        )
+    return _BY_NAME[name]
+
+
+def check_weight(strategy: Strategy, param: torch.Tensor, name: str) -> None:
+    """Raise a TypeError naming the parameter, the strategy and the fix on a dtype mismatch."""
+    if param.dtype in strategy.weight_dtypes:
+        return
+    accepted = " or ".join(str(d).replace("torch.", "") for d in strategy.weight_dtypes)
+    have = str(param.dtype).replace("torch.", "")
+    if param.dtype == torch.float32:
+        fix = ("convert the model with model.to(torch.bfloat16), or use strategy='fp32' "
+               "to keep float32 weights")
+    elif torch.float32 in strategy.weight_dtypes:
+        fix = ("use a low-precision strategy such as 'plus' or 'mixed' for "
+               f"{have} weights, or convert the model with model.float()")
+    else:
+        fix = f"convert the parameter to {accepted}, or pick another strategy"
+    raise TypeError(
+        f"parameter {name!r} is {have} but strategy {strategy.name!r} needs {accepted} "
+        f"weights: {fix}"
+    )
