@@ -23,8 +23,9 @@ def _sub_half_ulp_step(strategy: str, **path) -> dict[str, float]:
     return opt.update_stats
 
 
-@pytest.mark.parametrize("path", [{"foreach": True}, {"foreach": False}, {"fused": True}],
-                         ids=["foreach", "reference", "fused"])
+@pytest.mark.parametrize("path", [{"foreach": True}, {"foreach": False}, {"reference": True},
+                                  {"fused": True}],
+                         ids=["foreach", "per_tensor", "reference", "fused"])
 def test_updates_below_half_an_ulp_are_lost_in_bf16(path):
     stats = _sub_half_ulp_step("bf16", **path)
     assert stats["imprecision"] == 1.0

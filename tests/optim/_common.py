@@ -24,12 +24,14 @@ FP32 = torch.float32
 #: (bf16/fp16) weights. plus8 (AdamW only, 8-bit moments) has its own tests in
 #: test_eight_bit.py.
 ALL_STRATEGIES: tuple[str, ...] = tuple(s for s in collage.STRATEGIES
-                                        if not get_strategy(s).eight_bit)
+                                        if get_strategy(s).rules is None)
 LOW_STRATEGIES: tuple[str, ...] = tuple(s for s in ALL_STRATEGIES if s != "fp32")
 
-#: Implementation paths and the constructor flags that select them (see base._path).
+#: Implementation paths and the constructor flags that select them (optim/dispatch.py).
+#: ``foreach=False`` (per tensor) is bit for bit ``foreach=True`` (test_per_tensor.py), so
+#: the other tests run the three whose arithmetic differs.
 PATHS: dict[str, dict[str, Any]] = {
-    "reference": {"foreach": False},
+    "reference": {"reference": True},
     "foreach": {"foreach": True},
     "fused": {"fused": True},
 }

@@ -8,16 +8,16 @@ import pytest
 import torch
 
 import collage
-from collage.optim import base
+from collage.optim import eager
 
 from ._common import weight_dtype
 
 # three ranges, the last partial and not a multiple of plus8's 128-element block
-NUMEL = 2 * base.EAGER_CHUNK + 1000
+NUMEL = 2 * eager.EAGER_CHUNK + 1000
 
 
 def _run(strategy: str, *, chunk: int, monkeypatch, rule=collage.AdamW, **kwargs):
-    monkeypatch.setattr(base, "EAGER_CHUNK", chunk)
+    monkeypatch.setattr(eager, "EAGER_CHUNK", chunk)
     g = torch.Generator().manual_seed(3)
     dtype = weight_dtype(strategy)
     w = torch.randn(NUMEL, generator=g) * torch.logspace(-6, 2, NUMEL)
@@ -35,7 +35,7 @@ def _run(strategy: str, *, chunk: int, monkeypatch, rule=collage.AdamW, **kwargs
 @pytest.mark.parametrize("strategy", collage.STRATEGIES)
 def test_chunked_equals_one_call(strategy, monkeypatch):
     kwargs = {"weight_decay": 0.1}
-    chunked, chunked_state = _run(strategy, chunk=base.EAGER_CHUNK, monkeypatch=monkeypatch,
+    chunked, chunked_state = _run(strategy, chunk=eager.EAGER_CHUNK, monkeypatch=monkeypatch,
                                   **kwargs)
     whole, whole_state = _run(strategy, chunk=1 << 40, monkeypatch=monkeypatch, **kwargs)
     assert torch.equal(chunked.view(torch.uint8), whole.view(torch.uint8))
@@ -49,7 +49,7 @@ def test_chunked_equals_one_call(strategy, monkeypatch):
 @pytest.mark.parametrize("rule", [collage.SGD, collage.Lion])
 def test_chunked_equals_one_call_other_rules(rule, monkeypatch):
     kwargs = {"momentum": 0.9} if rule is collage.SGD else {}
-    a, sa = _run("plus", chunk=base.EAGER_CHUNK, monkeypatch=monkeypatch, rule=rule, **kwargs)
+    a, sa = _run("plus", chunk=eager.EAGER_CHUNK, monkeypatch=monkeypatch, rule=rule, **kwargs)
     b, sb = _run("plus", chunk=1 << 40, monkeypatch=monkeypatch, rule=rule, **kwargs)
     assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     for key in sa:

@@ -18,6 +18,7 @@ from collage import mcf
 from collage.mcf.blocks import block_scales, expand_scales
 from collage.optim import eight_bit as E
 from collage.optim import get_strategy, kernels
+from collage.optim.rules import ADAMW
 
 PLUS8 = get_strategy("plus8")
 
@@ -204,7 +205,7 @@ def test_compensated_second_moment_tracks_the_ema_where_plain_8_bit_stalls():
         plain_stochastic = _plain_e4m3(plain_stochastic * beta2 + (1 - beta2),
                                        torch.rand(n, generator=gen))
     target = 1 - beta2**steps
-    v = kernels.moment_value(PLUS8, opt.state[w], "exp_avg_sq")
+    v = PLUS8.moment_value(ADAMW, opt.state[w], "exp_avg_sq")
     rel = v / target - 1
     plain_rel = plain_stochastic.double() / target - 1
     print(f"\ntarget 1 - beta2**{steps} = {target:.4f}")
@@ -225,7 +226,7 @@ def _run(path: str, steps: int, *, seed: int = 0):
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(300, 7).bfloat16())
     b = torch.nn.Parameter(torch.randn(70).bfloat16())
-    flags = {"reference": {"foreach": False}, "foreach": {"foreach": True},
+    flags = {"reference": {"reference": True}, "foreach": {"foreach": True},
              "fused": {"fused": True}}[path]
     opt = collage.AdamW([w, b], lr=1e-2, weight_decay=0.1, strategy="plus8", seed=seed, **flags)
     _train(opt, w, b, range(steps))
@@ -271,8 +272,8 @@ def test_reference_and_foreach_agree():
     torch.manual_seed(0)
     w0 = torch.randn(300, 7).bfloat16().double()
     for name in ("exp_avg", "exp_avg_sq"):
-        a = kernels.moment_value(PLUS8, ref.state[wr], name)
-        b = kernels.moment_value(PLUS8, fast.state[wf], name)
+        a = PLUS8.moment_value(ADAMW, ref.state[wr], name)
+        b = PLUS8.moment_value(ADAMW, fast.state[wf], name)
         assert (a == b).double().mean() >= 0.97, name
     d_ref = kernels.represented_value(PLUS8, wr, ref.state[wr]) - w0
     d_fast = kernels.represented_value(PLUS8, wf, fast.state[wf]) - w0
@@ -358,7 +359,7 @@ def test_bad_inputs_name_the_fix():
 
 
 def test_measured_fused_steps_draw_the_unmeasured_stream():
-    """``track_updates`` must not change the run: the measured fused step (tracked.py) hashes
+    """``track_updates`` must not change the run: the measured fused step (compiled.py) hashes
     the same keyed draws as the unmeasured one, so a run measured on every step and an
     unmeasured one hold the same states bit for bit."""
     g = torch.Generator().manual_seed(11)

@@ -43,7 +43,7 @@ import pytest
 import torch
 
 import collage
-from collage.optim import get_strategy, kernels, native
+from collage.optim import compiled, get_strategy, kernels, native
 
 from ._common import ALL_STRATEGIES, BF16, FP32, PATHS, bits, weight_dtype
 
@@ -277,8 +277,8 @@ def test_foreach_and_fused_agree_per_step(strategy: str, backend: str, monkeypat
       (lerp, addcmul, sqrt, div, mul) in which each contraction moves it by up to a unit
       of |update| (measured up to 2): 1/2 + 1/2 + 1/2 + 2 < 4 units at s. s, not |w'|:
       when w*decay and the update cancel, these are units of the operands, not of the
-      small result. Stochastic rounding draws a different (equally seeded) stream on the
-      fused path, which moves a weight by at most one unit.
+      small result. Stochastic rounding draws the same stream on every path; a different
+      rounding of the value it rounds moves a weight by at most one unit more.
 
     Re-synchronised before every step so that the differences do not compound.
 
@@ -286,9 +286,7 @@ def test_foreach_and_fused_agree_per_step(strategy: str, backend: str, monkeypat
     the foreach operations exactly, with a correctly rounded square root where torch's CPU
     ``sqrt`` (MKL) may be off by one unit) or inductor's."""
     if backend == "inductor":
-        from collage.optim import fused
-
-        if not fused.available():
+        if not compiled.available():
             pytest.skip("no C++ compiler for inductor")
         monkeypatch.setattr(native, "covers", lambda *args, **kwargs: False)
     elif not native.available():

@@ -1,4 +1,4 @@
-"""The CPU measured fused step of inductor (``tracked.py``: float32 per element, row sums in
+"""The CPU measured compiled step (``compiled.py``: float32 per element, row sums in
 float32, rows in float64) against the float64 measured kernel on the same steps. The native
 kernels are switched off here (they measure covered groups first; their measured step has
 its own tests in test_native_measured.py).
@@ -16,7 +16,7 @@ import torch
 
 import collage
 from collage.metrics.stats import BLOCK
-from collage.optim import native, tracked
+from collage.optim import compiled, native
 
 STRATEGIES = ("fp32", "bf16", "stochastic", "mixed", "split", "kahan", "light", "plus")
 #: float32 rounding unit
@@ -31,7 +31,7 @@ SIZES = (1000, 100, 512)
 
 
 def _run(strategy: str, blocked: bool, monkeypatch) -> tuple[list[torch.Tensor], dict]:
-    monkeypatch.setattr(tracked, "_blocked", lambda device, s: blocked)
+    monkeypatch.setattr(compiled, "blocked_kernel", lambda device, group: blocked)
     monkeypatch.setattr(native, "covers", lambda *args: False)
     dtype = torch.float32 if strategy == "fp32" else torch.bfloat16
     g = torch.Generator().manual_seed(0)

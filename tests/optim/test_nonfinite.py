@@ -43,10 +43,6 @@ POISONS = (Poison(float("nan"), "fc1.weight"), Poison(float("inf"), "norm.bias")
            Poison(float("-inf"), "fc2.bias"))
 
 
-def _generator_states(opt) -> dict:
-    return opt.state_dict()["collage"]["generators"]
-
-
 def _poisoned_step(model, opt, step: int, poison: Poison):
     opt.zero_grad()
     loss_of(model, step).backward()
@@ -63,14 +59,14 @@ def test_skip_leaves_everything_unchanged(poison: Poison, strategy: str, path: s
     opt = rule.make(model.named_parameters(), strategy, path)
     for step in range(2):
         train_step(model, opt, step)
-    before, rng_before = snapshot(model, opt), _generator_states(opt)
+    before = snapshot(model, opt)
     steps_taken = opt.state_dict()["collage"]["steps_taken"]
     with pytest.warns(RuntimeWarning, match=rf"skipped step.*'{poison.param}'"):
         _poisoned_step(model, opt, 2, poison)
     assert_bitwise_equal(before, snapshot(model, opt))  # weights, compensations, states, steps
     assert opt.skipped_steps == 1
     assert opt.state_dict()["collage"]["steps_taken"] == steps_taken
-    assert str(_generator_states(opt)) == str(rng_before)  # no random draws consumed
+    # (stochastic draws are keyed by the step counters, which the snapshot holds)
     # ... and the run continues exactly as if the bad step had never happened
     train_step(model, opt, 3)
     clean = make_mlp(weight_dtype(strategy))

@@ -18,7 +18,7 @@ GradScaler protects the backward pass only: the optimizer unscales before it upd
 moments, so they hold *unscaled* magnitudes. These tests are what showed that fp16 cannot hold
 them: with fp16 moments, fp16 plus ended at 2.3x bf16 plus's loss and every strategy but
 mixed diverged in the small-loss run. Since then the moments of fp16 weights are bf16
-(``kernels.state_dtype``); the tests guard that.
+(``Strategy.state_dtype``); the tests guard that.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def test_reference_path_unscales_into_the_moments_dtype(strategy):
     not first into fp16: an unscaled 2**-26 is below fp16's smallest subnormal (2**-24) but
     well inside bf16's range. (Set ``grad_scale``/``found_inf`` as GradScaler does.)"""
     param = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
-    opt = collage.AdamW([param], lr=1e-3, strategy=strategy, foreach=False, fused=False)
+    opt = collage.AdamW([param], lr=1e-3, strategy=strategy, reference=True)
     param.grad = torch.tensor([2.0**-10, 2.0**-2], dtype=torch.float16)  # scaled by 2**16
     opt.grad_scale, opt.found_inf = torch.tensor(2.0**16), torch.tensor(0.0)
     try:

@@ -141,7 +141,7 @@ def _limits(strategy: str, dtype: torch.dtype, path: str):
     """(largest finite value of the weight format, the states' format, the format the
     rule's arithmetic runs in): the reference path computes in the states' dtype (bf16 for
     fp16 weights, whose moments are bf16), the float32-register paths in float32."""
-    states = kernels.state_dtype(get_strategy(strategy), dtype)
+    states = get_strategy(strategy).state_dtype(dtype)
     arith = states if path == "reference" else torch.float32
     return format_info(dtype).max_finite, states, arith
 

@@ -260,7 +260,7 @@ def step_compiled_measured(group: GroupStep, entries: list[Entry]) -> None:
     """Step and measure ``entries`` (contiguous, one device, one flat range each), one
     tensor per call (its own metric keys)."""
     device = entries[0].param.device
-    blocked = device.type == "cpu" and group.strategy.elementwise(group.rule)
+    blocked = blocked_kernel(device, group)
     runner = _kernel(group, "blocked" if blocked else "wide")
     scale = group.grad_scale.to(device) if group.grad_scale is not None else None
     for entry in entries:
@@ -274,6 +274,12 @@ def step_compiled_measured(group: GroupStep, entries: list[Entry]) -> None:
             sums += runner(*args[:3], *packed, scale, draw_key_at(group, entry, start),
                            *args[3:])
         group.stats.add_sums(entry.item.stat_keys, sums)
+
+
+def blocked_kernel(device: torch.device, group: GroupStep) -> bool:
+    """Whether the float32 CPU kernel measures ``group`` on ``device`` (every component
+    shaped like the weight), rather than the float64 one."""
+    return device.type == "cpu" and group.strategy.elementwise(group.rule)
 
 
 def _call_args(entry: Entry, start: int, stop: int, cols: int | None) -> tuple:

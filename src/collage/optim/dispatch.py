@@ -41,10 +41,8 @@ def choose(group: GroupStep, device: torch.device) -> str:
     """The path of ``group`` whose tensors are on ``device`` (see the module table)."""
     if group.reference:
         return "reference"
-    if group.foreach is False:
-        return "per_tensor"
-    if group.foreach:
-        return "foreach"
+    if group.foreach is not None and not group.fused:
+        return "foreach" if group.foreach else "per_tensor"
     if group.fused is not False and device.type == "cpu" and _native_covers(group):
         return "native"
     if group.fused or (group.fused is None and device.type == "cuda"):
@@ -52,7 +50,7 @@ def choose(group: GroupStep, device: torch.device) -> str:
             return "compiled"
         if group.fused:
             group.warn("torch.compile has no C++ compiler or Triton here")
-    return "foreach"
+    return "per_tensor" if group.foreach is False else "foreach"
 
 
 def _native_covers(group: GroupStep) -> bool:

@@ -69,6 +69,7 @@ def check_betas(betas) -> None:
 
 class Rule:
     name: str
+    title: str  # as users write it: AdamW, SGD, Lion
     states: tuple[StateSpec, ...]
     # Coefficients the kernels branch on: kept as Python values in the compiled path (a
     # change recompiles); every other coefficient becomes a 0-d tensor (no recompilation).
@@ -118,6 +119,7 @@ def _reference_ema(ar: LowpArith, states: dict, name: str, beta: float, x, mcf_s
 
 class AdamWRule(Rule):
     name = "adamw"
+    title = "AdamW"
     states = (StateSpec("exp_avg", False, "m"), StateSpec("exp_avg_sq", True, "v"))
 
     def validate(self, hyper: Mapping) -> None:
@@ -173,6 +175,7 @@ class SGDRule(Rule):
     """torch.optim.SGD semantics: coupled weight decay, dampening, Nesterov."""
 
     name = "sgd"
+    title = "SGD"
     states = (StateSpec("momentum_buffer", False, "momentum"),)
     static = frozenset({"weight_decay", "momentum", "nesterov", "first_step"})
 
@@ -232,6 +235,7 @@ class LionRule(Rule):
     ``m = b2 m + (1-b2) g``; m is the slow EMA (MCF under 'plus')."""
 
     name = "lion"
+    title = "Lion"
     states = (StateSpec("exp_avg", True, "m"),)
 
     def validate(self, hyper: Mapping) -> None:

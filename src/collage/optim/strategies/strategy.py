@@ -32,7 +32,7 @@ import torch
 
 from ... import mcf
 from ..rounding import LowpArith
-from ..rules import Rule
+from ..rules import RULES, Rule
 
 __all__ = ["Component", "Strategy", "LOW_PRECISION", "residual", "axpy", "is_one",
            "dtype_name"]
@@ -168,9 +168,9 @@ class Strategy:
     def check_rule(self, rule: Rule) -> None:
         """A ValueError where this strategy does not support ``rule``."""
         if self.rules is not None and rule.name not in self.rules:
-            allowed = ", ".join(sorted(self.rules))
+            allowed = ", ".join(RULES[name].title for name in sorted(self.rules))
             raise ValueError(f"strategy {self.name!r} supports {allowed} only, not "
-                             f"{rule.name}; use 'plus'")
+                             f"{rule.title}; use 'plus'")
 
     # ------------------------------------------------------------------ state
 
