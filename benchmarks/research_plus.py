@@ -3,8 +3,8 @@
 Runs Adam's second-moment EMA ``v = beta2 * v + (1 - beta2) * g**2`` under a constant
 gradient in bf16 four ways and prints ``v / ((1 - beta2**t) * g**2)`` (1.0 is exact):
 
-* ``collage plus``: our reference path (``collage.mcf.mul`` + ``grow``, beta2 split against
-  its bf16 rounding);
+* ``collage plus``: ``collage.mcf``'s pair arithmetic (``mcf.mul`` + ``grow``, beta2 split
+  against its bf16 rounding);
 * ``research plus``: the published algorithm as we read it (re-implemented here from its
   description, not copied). Three defects: (1) beta2 is split against its *float32*
   rounding, so the residual is ~1e-8 instead of ~-1e-3 (at beta2 = 0.999 nothing decays);

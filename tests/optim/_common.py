@@ -32,6 +32,7 @@ LOW_STRATEGIES: tuple[str, ...] = tuple(s for s in ALL_STRATEGIES if s != "fp32"
 #: the other tests run the three whose arithmetic differs.
 PATHS: dict[str, dict[str, Any]] = {
     "reference": {"reference": True},
+    "per_tensor": {"foreach": False},
     "foreach": {"foreach": True},
     "fused": {"fused": True},
 }

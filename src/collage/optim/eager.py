@@ -173,7 +173,8 @@ def step_one(group: GroupStep, entry: Entry, reference: bool) -> None:
     state = entry.state
     state["step"] += 1
     entry.step = int(state["step"].item())
-    coeffs = group.coefficients(entry.step)
+    coeffs = (group.rule.reference_coefficients(group.hyper, entry.step) if reference
+              else group.coefficients(entry.step))
     param, tensors = entry.param, entry.tensors
     key = _whole_draws(group, entry)
     before = visible_before = None
@@ -212,7 +213,7 @@ def _reference_grad(grad: torch.Tensor, group: GroupStep, dtype: torch.dtype) ->
     if dtype == torch.float32:
         return prepare_grad(grad, group.grad_scale, group.maximize)
     if group.grad_scale is None and not group.maximize:
-        return grad
+        return grad.to(dtype)  # fp16 gradients of fp16 weights: rounded once into bf16
     wide = grad.double()
     if group.grad_scale is not None:
         wide = wide / group.grad_scale.double().to(grad.device)

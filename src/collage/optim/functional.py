@@ -51,6 +51,7 @@ def step(rule: Rule, params: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
                          f"{len(params)}, {len(grads)} and {len(states)}")
     resolved = get_strategy(strategy)
     resolved.check_rule(rule)
+    hyper = dict(hyper, reference=reference)
     rule.validate(hyper)
     names = list(names) if names is not None else [f"param{i}" for i in range(len(params))]
     positions = list(positions) if positions is not None else list(range(len(params)))
@@ -66,11 +67,12 @@ def step(rule: Rule, params: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
 
 
 def adamw(params, grads, states, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-          weight_decay: float = 1e-2, maximize: bool = False, **options) -> str | None:
-    """AdamW (``torch.optim.AdamW``'s arithmetic) under a strategy; ``options`` as
-    :func:`step`."""
+          weight_decay: float = 1e-2, weight_decay_style: str = "compact",
+          maximize: bool = False, **options) -> str | None:
+    """AdamW (``torch.optim.AdamW``'s arithmetic; the research code's on the reference
+    path) under a strategy; ``options`` as :func:`step`."""
     hyper = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                 maximize=maximize)
+                 weight_decay_style=weight_decay_style, maximize=maximize)
     return step(ADAMW, params, grads, states, hyper, **options)
 
 

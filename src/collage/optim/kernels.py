@@ -8,9 +8,10 @@ landing (``strategies/``), the rule the update (``rules.py``):
   ``W * decay + update`` in float32 and stores it back rounded into the strategy's
   components. The per-tensor, foreach, compiled (inductor, Triton) and native (C) paths all
   compute this, operation for operation.
-* :func:`reference_step` does the rule's arithmetic op by op in the weight's low-precision
-  dtype, every intermediate correctly rounded (``LowpArith``), then lands the rounded
-  update with the strategy's own arithmetic (``reference=True``).
+* :func:`reference_step` is the research algorithm as it runs (``reference=True``): the
+  rule's PyTorch operations on the stored states (each rounds once to their dtype) in the
+  published code's order and AdamW form, then the strategy's landing, also in PyTorch
+  operations.
 """
 
 from __future__ import annotations
@@ -67,17 +68,17 @@ def reference_step(
     draws: torch.Tensor | None = None,
     want_intended: bool = False,
 ) -> torch.Tensor | None:
-    """One step op by op: every operation rounded to the weight dtype.
-
-    ``grad`` is in the dtype the rule computes in (the states' dtype). Strategies that
-    compute in float32 natively (``reference_in_float32``) run :func:`fast_step`. Returns
-    the rounded update in float64 when asked.
-    """
-    if strategy.reference_in_float32:
-        return fast_step(rule, strategy, param, grad.float(), state, c, draws, want_intended)
-    delta = strategy.reference_update(rule, param, grad, state, c, draws)
-    strategy.land_reference(param, state, delta, draws)
-    return delta.double() if want_intended else None
+    """One reference step (``c``: ``rule.reference_coefficients``). ``grad`` is in the
+    states' dtype. Returns the raw update in float64 when asked."""
+    style = c.get("weight_decay_style", "compact")
+    decays = c.get("weight_decay", 0.0) > 0.0
+    if decays and style == "torch":
+        strategy.reference_decay(param, state, -c["lr_wd"])
+    raw = strategy.reference_update(rule, param, grad, state, c, draws)
+    strategy.land_reference(param, state, raw, draws)
+    if decays and style == "HF":
+        strategy.reference_decay(param, state, -c["lr_wd"])
+    return raw.double() if want_intended else None
 
 
 def represented_value(strategy: Strategy, param: torch.Tensor, state: dict) -> torch.Tensor:

@@ -39,6 +39,12 @@ class AdamW(CollageOptimizer):
 
     Same arguments and semantics as ``torch.optim.AdamW`` (``params`` may be
     ``model.named_parameters()`` or param groups), plus:
+
+    weight_decay_style: how the reference path (``reference=True``, the research code's
+        algorithm) applies weight decay: ``"compact"`` (default: ``- lr * wd * w`` folded
+        into the update), ``"torch"`` (before the update) or ``"HF"`` (after it; reference
+        path only). The other paths decay as ``torch.optim.AdamW`` does, which is
+        ``"compact"`` and ``"torch"`` in exact arithmetic.
     """
         + _SHARED_DOC
     )
@@ -53,6 +59,7 @@ class AdamW(CollageOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         *,
+        weight_decay_style: str = "compact",
         strategy: str = "plus",
         maximize: bool = False,
         foreach: bool | None = None,
@@ -63,7 +70,8 @@ class AdamW(CollageOptimizer):
         seed: int = 0,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
-                        eps=eps, weight_decay=weight_decay, maximize=maximize)
+                        eps=eps, weight_decay=weight_decay,
+                        weight_decay_style=weight_decay_style, maximize=maximize)
         super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
                          reference=reference, track_updates=track_updates,
                          nonfinite=nonfinite, seed=seed)

@@ -1,5 +1,5 @@
-"""Rounding helpers shared by the kernels: low-precision arithmetic, stochastic rounding and
-the bit layout of the ``split`` strategy."""
+"""Rounding helpers shared by the kernels: stochastic rounding and the bit layout of the
+``split`` strategy."""
 
 from __future__ import annotations
 
@@ -7,41 +7,7 @@ import torch
 
 from ..mcf.formats import round_to
 
-__all__ = ["LowpArith", "stochastic_round", "split_encode", "split_decode"]
-
-
-class LowpArith:
-    """Elementwise arithmetic in a component dtype with one correct rounding per operation.
-
-    This is what hardware without fp32 units would compute: each operation is evaluated in
-    float64 and rounded once to ``dtype`` (a correct rounding: see ``collage.mcf.formats``).
-    It is the arithmetic of the *reference* path.
-    """
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-    def c(self, value: float, like: torch.Tensor) -> torch.Tensor:
-        """A scalar constant rounded to the component dtype (e.g. bf16(0.999) == 1.0)."""
-        return round_to(torch.tensor(value, dtype=torch.float64, device=like.device), self.dtype)
-
-    def _round(self, x: torch.Tensor) -> torch.Tensor:
-        return round_to(x, self.dtype)
-
-    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return self._round(a.double() + b.double())
-
-    def sub(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return self._round(a.double() - b.double())
-
-    def mul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return self._round(a.double() * b.double())
-
-    def div(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return self._round(a.double() / b.double())
-
-    def sqrt(self, a: torch.Tensor) -> torch.Tensor:
-        return self._round(a.double().sqrt())
+__all__ = ["stochastic_round", "split_encode", "split_decode"]
 
 
 def stochastic_round(

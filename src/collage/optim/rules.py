@@ -1,33 +1,45 @@
 """Update rules: AdamW, SGD (momentum, Nesterov) and Lion.
 
-A rule turns a gradient and its states into the intended update, returned as
-``(decay, update, scale)`` meaning ``w_new = w * decay + update * scale`` (``decay = 1 - lr *
-wd`` for decoupled weight decay; ``scale`` None means 1). Keeping ``scale`` apart lets the
-landing be one fused multiply-add, as torch's ``add_(x, alpha=-lr)`` is. Each rule has two kernels over one parameter:
+A rule turns a gradient and its states into the intended update. Each rule has two kernels
+over one parameter:
 
 * ``fast``: float32 registers. States arrive as float32 working tensors (the stored tensor
-  itself when it is float32) and are updated in place; the caller stores them back.
-* ``reference``: the paper's arithmetic op by op in the weight's low-precision dtype, every
-  intermediate correctly rounded (``LowpArith``); returns the update already combined with the
-  weight-decay term, ``d = fl(fl(-lr*wd * w) + u)``, in that dtype.
+  itself when it is float32) and are updated in place; the caller stores them back. Returns
+  ``(decay, update, scale)`` meaning ``w_new = w * decay + update * scale`` (``decay = 1 -
+  lr * wd`` for decoupled weight decay; ``scale`` None means 1). Keeping ``scale`` apart lets
+  the landing be one fused multiply-add, as torch's ``add_(x, alpha=-lr)`` is.
+* ``reference``: the research algorithm as it runs (``reference=True``): PyTorch operations
+  on the stored states (the states' dtype: each operation computes in float32 and rounds
+  once), in the published code's order and AdamW form. Returns the raw update tensor; the
+  strategy lands it (``Strategy.land_reference``).
 
 Coefficients that depend only on the step (bias corrections) are computed on the host in
-float64 by ``coefficients`` and passed in a dict.
+float64 by ``coefficients`` (``reference_coefficients`` for the reference path) and passed in
+a dict.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from .. import mcf
-from .rounding import LowpArith
 
-__all__ = ["Rule", "StateSpec", "ADAMW", "SGD", "LION", "RULES", "reference_decay_term",
-           "number", "check_betas"]
+__all__ = ["Rule", "StateSpec", "ADAMW", "SGD", "LION", "RULES", "number", "check_betas",
+           "WEIGHT_DECAY_STYLES"]
+
+#: AdamW's weight-decay styles on the reference path (the research code's): ``compact``
+#: folds ``- lr * wd * w`` into the update; ``torch`` decays the weight before the update,
+#: ``HF`` after it. The fast paths decay once in float32, ``w * (1 - lr * wd) + u``: the
+#: same value as ``compact`` and ``torch`` in exact arithmetic.
+WEIGHT_DECAY_STYLES = ("compact", "torch", "HF")
+
+#: ``slow_ema(states, name, beta, plain, increment)``: the strategy's update of a slowly
+#: decaying EMA on the reference path: ``plain(tensor)`` updates a single tensor in place;
+#: ``increment()`` makes the new contribution ``(1 - beta) * x`` for a pair.
+SlowEMA = Callable[[dict, str, float, Callable, Callable], None]
 
 Coeffs = Mapping[str, float]
 
@@ -88,33 +100,16 @@ class Rule:
     def fast(self, weight: torch.Tensor, grad: torch.Tensor, states: dict, c: Coeffs):
         raise NotImplementedError
 
-    def reference(self, ar: LowpArith, weight, grad, states: dict, c: Coeffs, mcf_slow: bool):
+    def reference_coefficients(self, group: Mapping, step: int) -> dict:
+        """The coefficients of the reference path (``coefficients`` unless the research
+        form differs)."""
+        return self.coefficients(group, step)
+
+    def reference(self, weight: torch.Tensor, grad: torch.Tensor, states: dict, c: Coeffs,
+                  slow_ema: SlowEMA) -> torch.Tensor:
+        """The raw update of one reference step, states updated in place. ``weight``: the
+        weight a decay term multiplies; ``grad`` in the states' dtype."""
         raise NotImplementedError
-
-
-def reference_decay_term(ar: LowpArith, weight: torch.Tensor, u: torch.Tensor, c: Coeffs):
-    """``fl(fl(-lr*wd) * w) + u`` rounded: the weight-decay step folded into the update."""
-    if c["lr_wd"] == 0.0:
-        return u
-    return ar.add(ar.mul(ar.c(-c["lr_wd"], weight), weight), u)
-
-
-def _reference_ema(ar: LowpArith, states: dict, name: str, beta: float, x, mcf_slow: bool):
-    """``s = beta * s + (1 - beta) * x`` in the component dtype; an MCF when ``mcf_slow``.
-
-    The MCF form is Collage-plus's: beta is split as ``bf16(beta) + residual`` (bf16(0.999)
-    is 1.0, so the residual carries the whole decay) and the product is an exact-as-possible
-    expansion product (``mcf.mul``), then the new contribution is added with ``mcf.grow``.
-    """
-    increment = ar.mul(ar.c(1.0 - beta, x), x)
-    value = states[name]
-    if not mcf_slow:
-        states[name] = ar.add(ar.mul(ar.c(beta, x), value), increment)
-        return
-    beta_hi = ar.c(beta, x)
-    beta_lo = ar.c(beta - float(beta_hi.double()), x)
-    hi, lo = mcf.mul(value, states[name + "_lo"], beta_hi, beta_lo)
-    states[name], states[name + "_lo"] = mcf.grow(hi, lo, increment)
 
 
 class AdamWRule(Rule):
@@ -127,6 +122,14 @@ class AdamWRule(Rule):
         if number(hyper["eps"], "eps") < 0:
             raise ValueError(f"eps must be >= 0, got {hyper['eps']}")
         check_betas(hyper["betas"])
+        style = hyper.get("weight_decay_style", "compact")
+        if style not in WEIGHT_DECAY_STYLES:
+            raise ValueError(f"weight_decay_style must be one of {', '.join(WEIGHT_DECAY_STYLES)}"
+                             f", got {style!r}")
+        if style == "HF" and not hyper.get("reference", False):
+            raise ValueError("weight_decay_style='HF' (decay after the update) is the research "
+                             "code's and runs on the reference path only: pass "
+                             "reference=True, or use 'compact' or 'torch'")
 
     def coefficients(self, group: Mapping, step: int) -> dict[str, float]:
         beta1, beta2 = group["betas"]
@@ -159,16 +162,30 @@ class AdamWRule(Rule):
         update = (exp_avg * -c["step_size"]) / denom
         return c["decay"], update, None
 
-    def reference(self, ar, weight, grad, states, c, mcf_slow):
-        states["exp_avg"] = ar.add(
-            ar.mul(ar.c(c["beta1"], grad), states["exp_avg"]),
-            ar.mul(ar.c(c["one_minus_beta1"], grad), grad),
-        )
-        _reference_ema(ar, states, "exp_avg_sq", c["beta2"], ar.mul(grad, grad), mcf_slow)
-        root = ar.div(ar.sqrt(states["exp_avg_sq"]), ar.c(c["bias_correction2_sqrt"], grad))
-        denom = ar.add(root, ar.c(c["eps"], grad))
-        update = ar.div(ar.mul(ar.c(-c["step_size"], grad), states["exp_avg"]), denom)
-        return reference_decay_term(ar, weight, update, c)
+    def reference_coefficients(self, group: Mapping, step: int) -> dict:
+        """The research code's AdamW form: ``step_size = lr * sqrt(1 - beta2**t) / (1 -
+        beta1**t)`` (computed in that order, in float64), ``denom = sqrt(v) + eps``."""
+        c = self.coefficients(group, step)
+        beta1, beta2 = group["betas"]
+        c["research_step_size"] = (float(group["lr"]) * math.sqrt(1.0 - beta2**step)
+                                   / (1.0 - beta1**step))
+        c["weight_decay"] = group["weight_decay"]
+        c["weight_decay_style"] = group.get("weight_decay_style", "compact")
+        return c
+
+    def reference(self, weight, grad, states, c, slow_ema):
+        # adamw_collage.py's operations, in its order, on the stored (bf16) states
+        exp_avg = states["exp_avg"]
+        exp_avg.mul_(c["beta1"]).add_(grad, alpha=c["one_minus_beta1"])
+        slow_ema(states, "exp_avg_sq", c["beta2"],
+                 lambda v: v.mul_(c["beta2"]).addcmul_(grad, grad, value=c["one_minus_beta2"]),
+                 lambda: torch.addcmul(torch.zeros_like(grad), grad, grad,
+                                       value=c["one_minus_beta2"]))
+        denom = states["exp_avg_sq"].sqrt().add_(c["eps"])
+        raw = -c["research_step_size"] * exp_avg / denom
+        if c["weight_decay"] > 0.0 and c["weight_decay_style"] == "compact":
+            raw = raw - c["lr_wd"] * weight
+        return raw
 
 
 class SGDRule(Rule):
@@ -214,20 +231,18 @@ class SGDRule(Rule):
             grad = grad.add(buf, alpha=c["momentum"]) if c["nesterov"] else buf
         return 1.0, grad, -c["lr"]
 
-    def reference(self, ar, weight, grad, states, c, mcf_slow):
+    def reference(self, weight, grad, states, c, slow_ema):
+        # torch.optim.SGD's single-tensor operations on the stored states
         if c["weight_decay"] != 0:
-            grad = ar.add(grad, ar.mul(ar.c(c["weight_decay"], grad), weight))
+            grad = grad.add(weight, alpha=c["weight_decay"])
         if c["momentum"] != 0:
+            buf = states["momentum_buffer"]
             if c["first_step"]:
-                buf = grad
+                buf.copy_(grad)
             else:
-                buf = ar.add(
-                    ar.mul(ar.c(c["momentum"], grad), states["momentum_buffer"]),
-                    ar.mul(ar.c(c["one_minus_dampening"], grad), grad),
-                )
-            states["momentum_buffer"] = buf
-            grad = ar.add(grad, ar.mul(ar.c(c["momentum"], grad), buf)) if c["nesterov"] else buf
-        return ar.mul(ar.c(-c["lr"], grad), grad)
+                buf.mul_(c["momentum"]).add_(grad, alpha=c["one_minus_dampening"])
+            grad = grad.add(buf, alpha=c["momentum"]) if c["nesterov"] else buf
+        return grad * -c["lr"]
 
 
 class LionRule(Rule):
@@ -261,14 +276,16 @@ class LionRule(Rule):
         exp_avg.lerp_(grad, c["one_minus_beta2"])
         return c["decay"], direction, -c["lr"]
 
-    def reference(self, ar, weight, grad, states, c, mcf_slow):
-        mixed = ar.add(
-            ar.mul(ar.c(c["beta1"], grad), states["exp_avg"]),
-            ar.mul(ar.c(c["one_minus_beta1"], grad), grad),
-        )
-        update = ar.mul(ar.c(-c["lr"], grad), mixed.sign())
-        _reference_ema(ar, states, "exp_avg", c["beta2"], grad, mcf_slow)
-        return reference_decay_term(ar, weight, update, c)
+    def reference(self, weight, grad, states, c, slow_ema):
+        exp_avg = states["exp_avg"]
+        raw = exp_avg.mul(c["beta1"]).add_(grad, alpha=c["one_minus_beta1"]).sign_()
+        raw.mul_(-c["lr"])
+        if c["lr_wd"] > 0.0:  # decoupled decay, folded in as AdamW's compact style
+            raw = raw - c["lr_wd"] * weight
+        slow_ema(states, "exp_avg", c["beta2"],
+                 lambda m: m.mul_(c["beta2"]).add_(grad, alpha=c["one_minus_beta2"]),
+                 lambda: grad * c["one_minus_beta2"])
+        return raw
 
 
 ADAMW = AdamWRule()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..rounding import LowpArith
 from .strategy import Strategy, axpy, is_one
 
 
@@ -15,8 +14,8 @@ class BF16(Strategy):
     def land(self, param, state, weight, decay, lr_wd, update, scale, draws):
         param.copy_(axpy(weight if is_one(decay) else weight * decay, update, scale))
 
-    def land_reference(self, param, state, delta, draws):
-        param.copy_(LowpArith(param.dtype).add(param, delta))
+    def land_reference(self, param, state, raw, draws):
+        param.add_(raw.to(param.dtype))
 
 
 STRATEGY = BF16()

@@ -14,7 +14,6 @@ class FP32(Strategy):
     weight_dtypes = (torch.float32,)
     states_in_weight_dtype = False
     native_code = 0
-    reference_in_float32 = True
 
     def load_weight(self, param, state):
         return param
@@ -24,6 +23,9 @@ class FP32(Strategy):
         if not is_one(decay):
             weight.mul_(decay)
         weight.copy_(axpy(weight, update, scale))
+
+    def land_reference(self, param, state, raw, draws):
+        param.add_(raw)
 
 
 STRATEGY = FP32()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from ... import mcf
-from ..rounding import LowpArith
 from .strategy import Component, Strategy, axpy, is_one, residual
 
 
@@ -28,12 +27,13 @@ class Kahan(Strategy):
         # what this rounded add failed to land; float32 subtraction of nearby values: exact
         comp.copy_(residual(corrected - (param.float() - weight), param))
 
-    def land_reference(self, param, state, delta, draws):
-        ar = LowpArith(param.dtype)
+    def land_reference(self, param, state, raw, draws):
         comp = state["compensation"]
-        corrected = ar.add(delta, comp)
-        total = ar.add(param, corrected)
-        comp.copy_(residual(ar.sub(corrected, ar.sub(total, param)), total))
+        # raw + comp rounded once to the weight's dtype, as a PyTorch add of two tensors of
+        # that dtype rounds (written out so that a buffer of another dtype rounds the same)
+        corrected = (raw.float() + comp.float()).to(param.dtype)
+        total = param + corrected
+        comp.copy_(residual(corrected - (total - param), total))
         param.copy_(total)
 
     def represented_parts(self, param, state):

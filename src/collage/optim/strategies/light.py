@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from ... import mcf
+from .. import research_mcf
 from .strategy import Component, Strategy, axpy, is_one, residual
 
 
@@ -27,10 +28,8 @@ class Light(Strategy):
         # float32 minus its nearest bf16: exact (Sterbenz), then rounded once into lo
         state["weight_lo"].copy_(residual(new - param.float(), param))
 
-    def land_reference(self, param, state, delta, draws):
-        hi, lo = mcf.grow(param, state["weight_lo"], delta)
-        param.copy_(hi)
-        state["weight_lo"].copy_(lo)
+    def land_reference(self, param, state, raw, draws):
+        research_mcf.grow(param, state["weight_lo"], raw.to(param.dtype))
 
     def represented_parts(self, param, state):
         return (param, state["weight_lo"]) if "weight_lo" in state else (param,)

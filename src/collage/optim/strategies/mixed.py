@@ -16,7 +16,6 @@ class Mixed(Strategy):
     order = 1
     states_in_weight_dtype = False
     native_code = 1
-    reference_in_float32 = True
 
     def weight_components(self, weight_dtype):
         # the model's copy is written from the master, never read by a step
@@ -36,6 +35,17 @@ class Mixed(Strategy):
             weight.mul_(decay)
         weight.copy_(axpy(weight, update, scale))
         param.copy_(weight)  # round to nearest into the model's low-precision copy
+
+    def reference_weight(self, param, state):
+        return state["master"]
+
+    def land_reference(self, param, state, raw, draws):
+        state["master"].add_(raw)
+        param.copy_(state["master"])
+
+    def reference_decay(self, param, state, alpha):
+        state["master"].add_(state["master"], alpha=alpha)
+        param.copy_(state["master"])
 
     def represented_parts(self, param, state):
         return (state["master"],) if "master" in state else (param,)

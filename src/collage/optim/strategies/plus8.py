@@ -10,8 +10,6 @@ import torch
 from ... import mcf
 from .. import eight_bit
 from ..draws import uniforms
-from ..rounding import LowpArith
-from ..rules import reference_decay_term
 from .plus import Plus
 from .strategy import Component
 
@@ -80,9 +78,10 @@ class Plus8(Plus):
         e4m3 arithmetic could not express the EMA at all (beta2 = 0.999 rounds to 1.0 in
         e4m3, and (1 - beta2) g**2 is below half an e4m3 spacing of v): one rounding per
         state update is what a float8 unit with a wide accumulator computes. The update is
-        then computed op by op in bf16 from the moments of this step, rounded once to bf16
-        (like the fast path, which uses the float32 moments before they are stored), as
-        ``AdamWRule.reference`` does, then landed with ``mcf.grow``.
+        then computed from the moments of this step, each rounded once to bf16 (like the
+        fast path, which uses the float32 moments before they are stored), with
+        ``AdamWRule.reference``'s PyTorch operations and research form; the light landing
+        lands it.
         """
         c, g = coeffs, grad.double()
         m = eight_bit.decode_q8_reference(state["exp_avg"], state["exp_avg_scale"])
@@ -99,12 +98,13 @@ class Plus8(Plus):
         state["exp_avg_sq"].copy_(hi.view(param.shape))
         state["exp_avg_sq_lo"].copy_(lo.view(param.shape))
         state["exp_avg_sq_scale"].copy_(v_scale)
-        ar = LowpArith(torch.bfloat16)  # the update uses this step's moments before storage
-        m_b, v_b = mcf.round_to(m, ar.dtype), mcf.round_to(v, ar.dtype)
-        root = ar.div(ar.sqrt(v_b), ar.c(c["bias_correction2_sqrt"], m_b))
-        denom = ar.add(root, ar.c(c["eps"], m_b))
-        update = ar.div(ar.mul(ar.c(-c["step_size"], m_b), m_b), denom)
-        return mcf.round_to(reference_decay_term(ar, param, update, c).double(), param.dtype)
+        # the update uses this step's moments before storage
+        m_b, v_b = mcf.round_to(m, torch.bfloat16), mcf.round_to(v, torch.bfloat16)
+        denom = v_b.sqrt().add_(c["eps"])
+        raw = -c["research_step_size"] * m_b / denom
+        if c["weight_decay"] > 0.0 and c["weight_decay_style"] == "compact":
+            raw = raw - c["lr_wd"] * param
+        return raw
 
 
 def _uniforms(n: int, draws: torch.Tensor | None, salt: int) -> torch.Tensor:

@@ -29,11 +29,16 @@ class Split(Strategy):
         self._store(param, state, axpy(weight if is_one(decay) else weight * decay,
                                        update, scale))
 
-    def land_reference(self, param, state, delta, draws):
+    def reference_weight(self, param, state):
+        return split_decode(param, state["weight_low_bits"])
+
+    def land_reference(self, param, state, raw, draws):
         master = split_decode(param, state["weight_low_bits"])
-        # one float32 add: the float64 sum of two floats is exact, rounded once
-        self._store(param, state, mcf.round_to(master.double() + delta.double(),
-                                               torch.float32))
+        self._store(param, state, master.add_(raw.float()))  # one float32 add
+
+    def reference_decay(self, param, state, alpha):
+        master = split_decode(param, state["weight_low_bits"])
+        self._store(param, state, master.add_(master, alpha=alpha))
 
     @staticmethod
     def _store(param, state, master: torch.Tensor) -> None:

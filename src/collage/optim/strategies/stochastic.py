@@ -19,10 +19,9 @@ class Stochastic(Strategy):
         new = axpy(weight if is_one(decay) else weight * decay, update, scale)
         param.copy_(stochastic_round(new, param.dtype, uniforms(draws, param.numel())))
 
-    def land_reference(self, param, state, delta, draws):
-        exact = param.double() + delta.double()  # exact: two 8/11-bit values, float64
-        param.copy_(stochastic_round(exact, param.dtype,
-                                     uniforms(draws, param.numel())))
+    def land_reference(self, param, state, raw, draws):
+        new = param.float() + raw.float()
+        param.copy_(stochastic_round(new, param.dtype, uniforms(draws, param.numel())))
 
 
 STRATEGY = Stochastic()

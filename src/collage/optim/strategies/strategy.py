@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import mcf
-from ..rounding import LowpArith
+from .. import research_mcf
 from ..rules import RULES, Rule
 
 __all__ = ["Component", "Strategy", "LOW_PRECISION", "residual", "axpy", "is_one",
@@ -115,8 +115,7 @@ class Strategy:
     moment, Lion's momentum) is a pair ``(x, x_lo)``; ``rules``: the rules it supports
     (None: all); ``draws``: the strategy rounds with keyed uniform draws (``stochastic``,
     ``plus8``): its kernels take the draw key; ``native_code``: its number in the native C
-    kernels, or None; ``reference_in_float32``: its reference path is the float32 one
-    (fp32 and mixed compute in float32 natively).
+    kernels, or None.
     """
 
     name: str = ""
@@ -128,7 +127,6 @@ class Strategy:
     rules: frozenset[str] | None = None
     draws: bool = False
     native_code: int | None = None
-    reference_in_float32: bool = False
 
     # ------------------------------------------------------------------ layout
 
@@ -211,10 +209,6 @@ class Strategy:
             if spec.slow and self.mcf_slow_states:
                 state[spec.name + "_lo"].copy_(residual(value - stored.float(), stored))
 
-    def reference_states(self, rule: Rule) -> list[str]:
-        """The state keys the reference rule computes on (a slow EMA's pair included)."""
-        return [c.key for c in self.state_components(rule, torch.bfloat16)]
-
     def moment_value(self, rule: Rule, state: Mapping, name: str) -> torch.Tensor:
         """A rule state's represented value in float64 (``x + x_lo`` for a pair): what the
         metrics and the reports read."""
@@ -238,22 +232,41 @@ class Strategy:
         ``[key0, key1, first index]``) of a strategy with ``draws``, else None."""
         raise NotImplementedError
 
-    def land_reference(self, param: torch.Tensor, state: Mapping, delta: torch.Tensor,
-                       draws) -> None:
-        """Land the low-precision update ``delta`` with the strategy's own arithmetic."""
-        raise NotImplementedError
+    # ------------------------------------------------------------------ the reference path
+
+    def reference_weight(self, param: torch.Tensor, state: Mapping) -> torch.Tensor:
+        """The weight the reference rule's decay term multiplies (the research code's ``p``:
+        the visible weight; a master where the strategy keeps one)."""
+        return param
 
     def reference_update(self, rule: Rule, param: torch.Tensor, grad: torch.Tensor,
                          state: Mapping, coeffs: Mapping, draws) -> torch.Tensor:
-        """The rule's step op by op in the states' dtype (bf16 for fp16 weights), states
-        updated; returns the update rounded to the weight's dtype."""
-        ar = LowpArith(self.state_dtype(param.dtype))
-        states = {name: state[name] for name in self.reference_states(rule)}
-        delta = rule.reference(ar, param, mcf.round_to(grad, ar.dtype), states, coeffs,
-                               self.mcf_slow_states)
-        for name, value in states.items():
-            state[name].copy_(value)
-        return mcf.round_to(delta, param.dtype)
+        """The rule's raw update, with PyTorch operations on the stored states (``grad`` in
+        their dtype); the states are updated in place."""
+        return rule.reference(self.reference_weight(param, state), grad, state, coeffs,
+                              self.reference_slow_ema)
+
+    def reference_slow_ema(self, states: dict, name: str, beta: float, plain, increment
+                           ) -> None:
+        """A slow EMA on the reference path: one tensor, or under ``mcf_slow_states`` a pair
+        scaled by the split beta and grown by the increment (``research_mcf``: Collage-plus's
+        arithmetic, its three defects fixed)."""
+        if not self.mcf_slow_states:
+            plain(states[name])
+            return
+        hi, lo = states[name], states[name + "_lo"]
+        research_mcf.scale_pair(hi, lo, *research_mcf.split_beta(beta, hi))
+        research_mcf.add_to_pair(hi, lo, increment())
+
+    def land_reference(self, param: torch.Tensor, state: Mapping, raw: torch.Tensor,
+                       draws) -> None:
+        """Land the raw update (a tensor of the states' dtype) with PyTorch operations."""
+        raise NotImplementedError
+
+    def reference_decay(self, param: torch.Tensor, state: Mapping, alpha: float) -> None:
+        """``w += alpha * w`` (AdamW's ``torch`` and ``HF`` weight-decay styles on the
+        reference path): the research code's ``p.add_(p, alpha=-lr * wd)``."""
+        param.add_(param, alpha=alpha)
 
     # ------------------------------------------------------------------ what it represents
 
