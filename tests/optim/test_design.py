@@ -91,5 +91,5 @@ def test_a_wrong_loaded_layout_names_the_component(halfkahan):
     saved = opt.state_dict()
     for state in saved["state"].values():
         state["compensation"] = state["compensation"].to(torch.bfloat16)
-    with pytest.raises(ValueError, match="'compensation' should be torch.float16"):
+    with pytest.raises(ValueError, match="'compensation' is torch.bfloat16, not torch.float16"):
         collage.AdamW(model.parameters(), strategy=halfkahan).load_state_dict(saved)

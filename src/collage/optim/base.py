@@ -16,8 +16,8 @@ import torch
 from torch.optim import Optimizer
 
 from ..metrics import UpdateStats
-from . import dispatch, state_io
-from .group import GroupStep, Item, local
+from . import convert, dispatch, state_io
+from .group import GroupStep, Item, check_gradient, local
 from .nonfinite import FiniteProof, all_ranks_max, nonfinite_flag, shard_group
 from .rules import Rule
 from .strategies import check_weight, get_strategy
@@ -73,6 +73,10 @@ class CollageOptimizer(Optimizer):
         self._caches: dict[int, dict] = {}
         self._warned = False
         self._finite_proof: FiniteProof | None = None
+        #: by group index: the strategy its states were made with (a group's strategy set
+        #: since converts them at the next step), and its hyperparameters last checked
+        self._state_strategies: dict[int, str] = {}
+        self._checked_hyper: dict[int, tuple] = {}
         defaults = dict(defaults, strategy=strategy, foreach=foreach, fused=fused,
                         reference=reference)
         super().__init__(params, defaults)
@@ -82,12 +86,16 @@ class CollageOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         self._positions = None
+        index = len(self.param_groups) - 1
         group = self.param_groups[-1]
         try:
-            self._validate_group(group, len(self.param_groups) - 1)
+            self._validate_group(group, index)
+            _refuse_duplicates(group, index, self._param_names(group, index))
         except Exception:
             self.param_groups.pop()
             raise
+        self._state_strategies[index] = group["strategy"]
+        self._checked_hyper[index] = _hyper_key(group)
 
     def _validate_group(self, group: dict, index: int) -> None:
         strategy = get_strategy(group["strategy"])
@@ -129,14 +137,18 @@ class CollageOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         batches = self._gather()
+        self._check_hyperparameters()
+        self._convert_strategies()
         sharded = shard_group(item.param for _, _, items in batches for item in items)
         if not self._gradients_usable(batches, sharded):
             return loss
         stats = UpdateStats() if self._measuring() else None
-        for index, group, items in batches:
-            path = dispatch.step_group(self._group_step(index, group, items, stats))
-            if path is not None:
-                self.last_paths[index] = path
+        # every group is checked before any is stepped: a mismatch changes nothing
+        prepared = [(index, dispatch.prepare(self._group_step(index, group, items, stats)))
+                    for index, group, items in batches]
+        for index, ready in prepared:
+            if ready is not None:
+                self.last_paths[index] = dispatch.run(ready)
         self._steps_taken += 1
         if stats is not None:
             if sharded is not None:
@@ -164,7 +176,7 @@ class CollageOptimizer(Optimizer):
                 grad = param.grad
                 if grad is None:
                     continue
-                _check_gradient(name, param, grad)
+                check_gradient(name, param, grad)
                 keys = ("", f"group{index}", name) if named else ("", f"group{index}")
                 items.append(Item(name, param, grad, self.state[param], positions[id(param)],
                                   keys))
@@ -178,6 +190,46 @@ class CollageOptimizer(Optimizer):
             params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
             self._positions = {id(p): i for i, p in enumerate(params)}
         return self._positions
+
+    def _check_hyperparameters(self) -> None:
+        """Validate each group whose hyperparameters changed since they were last checked
+        (a scheduler or a user editing ``param_groups``), before any tensor changes."""
+        for index, group in enumerate(self.param_groups):
+            key = _hyper_key(group)
+            if self._checked_hyper.get(index) != key:
+                self._validate_group(group, index)
+                self._checked_hyper[index] = key
+
+    def _convert_strategies(self) -> None:
+        """Convert the states of groups whose ``strategy`` was set since their states were
+        made (``convert.py``). Every conversion is checked before any is made, so one that
+        cannot be made changes nothing."""
+        pending = []
+        for index, group in enumerate(self.param_groups):
+            old = self._state_strategies.get(index, group["strategy"])
+            if old != group["strategy"]:
+                self._validate_group(group, index)
+                pending.append((index, get_strategy(old), get_strategy(group["strategy"])))
+        for index, old, new in pending:
+            for name, param, state in self._states_of(index):
+                mismatch = old.state_mismatch(self.rule, param, state)
+                if mismatch is not None:
+                    raise ValueError(f"cannot convert the state of parameter {name!r} from "
+                                     f"strategy {old.name!r} to {new.name!r}: {mismatch}")
+        positions = self._parameter_positions()
+        for index, old, new in pending:
+            for _, param, state in self._states_of(index):
+                self.state[param] = convert.convert(self.rule, old, new, param, state,
+                                                    self.seed, positions[id(param)])
+            self._state_strategies[index] = new.name
+            self._caches.pop(index, None)
+
+    def _states_of(self, index: int) -> list[tuple[str, torch.Tensor, dict]]:
+        """(name, parameter, state) of the group's parameters that have a state."""
+        group = self.param_groups[index]
+        return [(name, param, self.state[param])
+                for name, param in zip(self._param_names(group, index), group["params"])
+                if self.state.get(param)]
 
     def _measuring(self) -> bool:
         return self.track_updates > 0 and self._steps_taken % self.track_updates == 0
@@ -262,6 +314,7 @@ class CollageOptimizer(Optimizer):
     # ----------------------------------------------------------------------- state dict
 
     def state_dict(self) -> dict[str, Any]:
+        self._convert_strategies()  # the saved states are those of the saved strategies
         sd = super().state_dict()
         sd["collage"] = {
             "skipped_steps": self.skipped_steps,
@@ -278,15 +331,44 @@ class CollageOptimizer(Optimizer):
         # tensors would live beside the new ones until each group's next step
         self._caches.clear()
         state_io.load(self, state_dict, super().load_state_dict)
+        for index, group in enumerate(self.param_groups):
+            self._state_strategies[index] = group["strategy"]
+            self._checked_hyper[index] = _hyper_key(group)
+
+    # ----------------------------------------------------------------------- copies
+
+    #: attributes that are the optimizer's (beyond torch.optim's), copied by deepcopy and
+    #: pickle; the rest (caches, the clipping proof, warnings given) start afresh
+    _COPIED = ("nonfinite", "track_updates", "seed", "skipped_steps", "update_stats",
+               "last_paths", "_steps_taken", "_state_strategies", "_checked_hyper")
+
+    def __getstate__(self) -> dict[str, Any]:
+        out = super().__getstate__()
+        out.update({name: self.__dict__[name] for name in self._COPIED})
+        return out
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._positions = None
+        self._caches = {}
+        self._warned = False
+        self._finite_proof = None
 
 
-def _check_gradient(name: str, param: torch.Tensor, grad: torch.Tensor) -> None:
-    if grad.is_sparse:
-        raise RuntimeError(f"parameter {name!r} has a sparse gradient; collage optimizers "
-                           "need dense gradients")
-    if grad.dtype != param.dtype:
-        raise TypeError(
-            f"the gradient of parameter {name!r} is {grad.dtype} but the weight is "
-            f"{param.dtype}; gradients must have the weight's dtype (do not cast .grad by "
-            "hand; let autograd produce it)"
-        )
+def _refuse_duplicates(group: dict, index: int, names: list[str]) -> None:
+    """A parameter listed twice in a group would be stepped twice per step (torch.optim
+    warns and does so); refuse it, naming the parameter."""
+    seen: dict[int, str] = {}
+    for name, param in zip(names, group["params"]):
+        if id(param) in seen:
+            raise ValueError(f"param group {index} lists parameter {seen[id(param)]!r} twice "
+                             f"(also as {name!r}); list each parameter once")
+        seen[id(param)] = name
+
+
+def _hyper_key(group: dict) -> tuple:
+    """What ``_check_hyperparameters`` compares: every value but the parameters; a tensor by
+    identity and version (a new value in place bumps the version)."""
+    return tuple((key, ("tensor", id(value), value._version)
+                  if isinstance(value, torch.Tensor) else value)
+                 for key, value in group.items() if key not in ("params", "param_names"))

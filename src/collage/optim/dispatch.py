@@ -26,13 +26,16 @@ kernel one by one, with the same arithmetic.
 
 from __future__ import annotations
 
+from array import array
+from dataclasses import dataclass, field
+
 import torch
 
 from . import compiled, eager, native
 from .group import Entry, GroupStep, entries_of, local
 from .native import path as native_path
 
-__all__ = ["PATHS", "choose", "step_group"]
+__all__ = ["PATHS", "Prepared", "choose", "prepare", "run", "step_group"]
 
 PATHS = ("reference", "per_tensor", "foreach", "native", "compiled")
 
@@ -58,20 +61,46 @@ def _native_covers(group: GroupStep) -> bool:
                          [local(i.grad) for i in group.items])
 
 
+@dataclass
+class Prepared:
+    """A group's step, checked and ready to run: its path, and its entries or the native
+    plan's gradient pointers."""
+
+    group: GroupStep
+    path: str
+    entries: list[Entry] = field(default_factory=list)
+    plan_grads: array | None = None
+
+
+def prepare(group: GroupStep) -> Prepared | None:
+    """Check ``group``'s items and choose its path, changing nothing but creating the state
+    of parameters that have none (None for an empty group). Every check that can fail runs
+    here, so a caller preparing every group first steps all or none."""
+    if not group.items:
+        return None
+    grads = native_path.planned(group)
+    if grads is not None:
+        return Prepared(group, "native", plan_grads=grads)
+    entries = entries_of(group)
+    return Prepared(group, choose(group, entries[0].param.device), entries)
+
+
+def run(prepared: Prepared) -> str:
+    """Step a prepared group; returns the path that ran."""
+    group = prepared.group
+    if prepared.plan_grads is not None:
+        if native_path.step_planned(group, prepared.plan_grads):
+            return "native"
+        prepared = prepare(group)  # a step counter was changed in place since
+    _RUNNERS[prepared.path](group, prepared.entries)
+    return prepared.path
+
+
 def step_group(group: GroupStep) -> str | None:
     """Step every item of ``group`` (all have gradients); returns the path that ran (None
     for an empty group)."""
-    if not group.items:
-        return None
-    if native_path.step_planned(group):
-        return "native"
-    path = choose(group, local(group.items[0].param).device)
-    entries = entries_of(group)
-    runner = {"reference": eager.step_reference, "per_tensor": eager.step_per_tensor,
-              "foreach": eager.step_foreach, "native": _step_native,
-              "compiled": _step_compiled}[path]
-    runner(group, entries)
-    return path
+    prepared = prepare(group)
+    return None if prepared is None else run(prepared)
 
 
 def _step_native(group: GroupStep, entries: list[Entry]) -> None:
@@ -97,3 +126,7 @@ def _step_rest(group: GroupStep, entries: list[Entry], done: list[Entry]) -> Non
     for entry in entries:
         if id(entry) not in stepped:
             eager.step_one(group, entry, reference=False)
+
+
+_RUNNERS = {"reference": eager.step_reference, "per_tensor": eager.step_per_tensor,
+            "foreach": eager.step_foreach, "native": _step_native, "compiled": _step_compiled}

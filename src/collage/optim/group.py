@@ -17,9 +17,10 @@ import torch
 from ..metrics import UpdateStats
 from . import draws as keyed
 from .rules import Rule
-from .strategies import Strategy
+from .strategies import Strategy, check_weight
 
-__all__ = ["Item", "GroupStep", "Entry", "local", "entries_of", "advance_steps",
+__all__ = ["Item", "GroupStep", "Entry", "local", "entries_of", "check_item", "check_gradient",
+           "advance_steps",
            "prepare_grad", "component_slice", "draw_key_at"]
 
 
@@ -106,7 +107,10 @@ class Entry:
 
 
 def entries_of(group: GroupStep) -> list[Entry]:
-    """Each item's local tensors, its state created first where it is empty."""
+    """Each item's local tensors, its state created first where it is empty. Every item is
+    checked first (:func:`check_item`), so that a mismatch raises before anything changes."""
+    for item in group.items:
+        check_item(group, item)
     out = []
     for item in group.items:
         if not item.state:
@@ -116,6 +120,43 @@ def entries_of(group: GroupStep) -> list[Entry]:
         offset = keyed.flat_offset(item.param, param)
         out.append(Entry(item, param, local(item.grad), tensors, offset))
     return out
+
+
+def check_gradient(name: str, param: torch.Tensor, grad: torch.Tensor) -> None:
+    """A clear error where a gradient cannot step its parameter: sparse, of another dtype
+    or shape."""
+    if grad.is_sparse:
+        raise RuntimeError(f"parameter {name!r} has a sparse gradient; collage optimizers "
+                           "need dense gradients")
+    if grad.dtype != param.dtype:
+        raise TypeError(
+            f"the gradient of parameter {name!r} is {grad.dtype} but the weight is "
+            f"{param.dtype}; gradients must have the weight's dtype (do not cast .grad by "
+            "hand; let autograd produce it)")
+    if grad.shape != param.shape:
+        raise ValueError(f"the gradient of parameter {name!r} has shape {tuple(grad.shape)} "
+                         f"but the weight {tuple(param.shape)}")
+
+
+def check_item(group: GroupStep, item: Item) -> None:
+    """A clear error, naming the parameter and the fix, where its gradient or its state
+    does not fit it: the parameter was converted or replaced after the optimizer made its
+    state (``model.half()``, ``.to()``, ``p.data = ...``), or a state was loaded for another
+    parameter. Reads no tensor data."""
+    param, name = item.param, item.name
+    check_gradient(name, param, item.grad)
+    strategy = group.strategy
+    if param.dtype not in strategy.weight_dtypes:
+        check_weight(strategy, param, name)
+    if item.state:
+        mismatch = strategy.state_mismatch(group.rule, param, item.state)
+        if mismatch is not None:
+            raise ValueError(
+                f"the optimizer state of parameter {name!r} does not fit it under strategy "
+                f"{strategy.name!r}: {mismatch}. The parameter was converted or replaced "
+                "after the optimizer made its state (model.half(), .to(), p.data = ...) or "
+                "a state of another parameter was loaded: create the optimizer after "
+                "converting the model, or load a state saved for this model")
 
 
 def advance_steps(entries: Sequence[Entry]) -> None:

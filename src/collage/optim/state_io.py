@@ -1,86 +1,209 @@
-"""Loading an optimizer's ``state_dict``: torch.optim's loading, with the saved dtypes kept
-and the layout checked against each group's strategy."""
+"""Loading an optimizer's ``state_dict``, all or nothing.
+
+Everything is checked before anything changes: the number of groups and parameters, each
+group's strategy and hyperparameters, each state's keys, dtypes, shapes and step counter.
+On any error the optimizer is exactly as before. Then torch.optim's loader installs the
+groups, and the states are installed as saved (torch.optim would cast floating-point state
+to the parameter's dtype, turning fp32 masters and moments into bf16 silently).
+
+A ``torch.optim.AdamW`` or ``SGD`` state (its groups have no ``strategy``) is converted:
+its float32 moments are stored as the group's strategy stores float32 values
+(``convert.from_torch_state``): the migration path from an fp32 run.
+"""
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from . import convert
 from .strategies import get_strategy
 
 __all__ = ["load"]
 
+#: the keys a ``torch.optim`` state of each rule may hold
+_TORCH_STATE_KEYS = {"adamw": {"step", "exp_avg", "exp_avg_sq"},
+                     "sgd": {"momentum_buffer", "step"}}
+
 
 def load(optimizer, state_dict: dict[str, Any], torch_load: Callable[[dict], None]) -> None:
-    """Load ``state_dict`` into ``optimizer`` (``torch_load``: torch.optim's loader).
-
-    torch.optim casts floating-point state to the parameter's dtype on load, which would
-    turn fp32 masters and moments into bf16 silently; the saved tensors are restored.
-    """
-    state_dict = dict(state_dict)
-    extra = state_dict.pop("collage", None)
-    saved_state = state_dict["state"]
-    _check_same_strategies(optimizer, state_dict["param_groups"])
-    torch_load(state_dict)
-    saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-    params = itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)
-    for saved_id, param in zip(saved_ids, params):
-        if saved_id not in saved_state:
+    """Load ``state_dict`` into ``optimizer`` (``torch_load``: torch.optim's loader)."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+        raise ValueError("state_dict must be an optimizer state dict with 'state' and "
+                         "'param_groups' (optimizer.state_dict()'s output)")
+    saved_groups = state_dict["param_groups"]
+    _check_sizes(optimizer, saved_groups)
+    merged = [_merged_group(optimizer, group, saved)
+              for group, saved in zip(optimizer.param_groups, saved_groups)]
+    for index, group in enumerate(merged):
+        optimizer._validate_group({**group, "params": optimizer.param_groups[index]["params"]},
+                                  index)
+    plan = list(_pairs(optimizer, state_dict, merged, saved_groups))
+    for name, param, group, saved_state, from_torch in plan:
+        _check_state(optimizer, name, param, group, saved_state, from_torch)
+    extra = _checked_extra(state_dict.get("collage"))
+    # nothing changes before this line
+    previous = dict(optimizer.state)
+    torch_load({"state": {}, "param_groups": merged})
+    states = {}
+    positions = optimizer._parameter_positions()
+    for name, param, group, saved_state, from_torch in plan:
+        if saved_state is None:
             continue
-        restored = {}
-        for key, value in saved_state[saved_id].items():
-            if isinstance(value, torch.Tensor) and key != "step":
-                value = value.to(device=param.device, copy=True)
-            restored[key] = value
-        optimizer.state[param] = restored
-    for index, group in enumerate(optimizer.param_groups):
-        group.setdefault("reference", False)
-        optimizer._validate_group(group, index)
-        _check_layout(optimizer, group, index)
+        states[param] = _restored(optimizer, param, group, saved_state, from_torch,
+                                  previous.get(param, {}), positions[id(param)])
+    optimizer.state.clear()
+    optimizer.state.update(states)
+    _set_extra(optimizer, extra)
+
+
+def _check_sizes(optimizer, saved_groups) -> None:
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"the state dict has {len(saved_groups)} param group(s), this "
+                         f"optimizer {len(optimizer.param_groups)}")
+    for index, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        if len(saved.get("params", ())) != len(group["params"]):
+            raise ValueError(f"param group {index} of the state dict has "
+                             f"{len(saved.get('params', ()))} parameters, this optimizer's "
+                             f"{len(group['params'])}")
+
+
+def _merged_group(optimizer, group: dict, saved: dict) -> dict:
+    """The group as it will be after loading: the saved values over ours (a torch.optim
+    group lacks ours: ``strategy``, ``reference``...), our parameters."""
+    if "strategy" in saved and saved["strategy"] != group["strategy"]:
+        raise ValueError(
+            f"param group {optimizer.param_groups.index(group)} was saved with strategy "
+            f"{saved['strategy']!r} but this optimizer uses {group['strategy']!r}; load it "
+            "into an optimizer with the same strategy, then set the group's 'strategy' to "
+            "convert its state, or move between strategies with collage.consolidate and "
+            "collage.load_full_precision")
+    if "strategy" not in saved:
+        _check_torch_group(optimizer, saved)
+    merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}
+    merged["params"] = saved["params"]  # ids, as torch.optim's loader expects
+    merged.setdefault("reference", False)
+    return merged
+
+
+def _check_torch_group(optimizer, saved: dict) -> None:
+    """A torch.optim group: the same update rule as ours (AdamW, not Adam)."""
+    rule = optimizer.rule.name
+    if rule not in _TORCH_STATE_KEYS or ("betas" in saved) != (rule == "adamw"):
+        raise ValueError(f"this state dict is not one of a {optimizer.rule.title} optimizer "
+                         f"(a torch.optim state loads into the collage optimizer of the same "
+                         "rule: AdamW or SGD)")
+    if rule == "adamw" and saved.get("decoupled_weight_decay", True) is False:
+        raise ValueError("this state dict is torch.optim.Adam's (weight decay added to the "
+                         "gradient), not AdamW's: load it into an Adam optimizer")
+
+
+def _pairs(optimizer, state_dict: dict, merged: list[dict], saved_groups: list[dict]):
+    """(name, parameter, its merged group, its saved state or None, whether it is a
+    torch.optim state), in group order."""
+    saved_state = state_dict["state"]
+    for index, (group, saved_group) in enumerate(zip(merged, saved_groups)):
+        names = optimizer._param_names(optimizer.param_groups[index], index)
+        from_torch = "strategy" not in saved_group
+        for name, saved_id, param in zip(names, group["params"],
+                                         optimizer.param_groups[index]["params"]):
+            yield name, param, group, saved_state.get(saved_id), from_torch
+
+
+def _check_state(optimizer, name: str, param, group: dict, saved: dict | None,
+                 from_torch: bool) -> None:
+    if saved is None:
+        return
+    if not isinstance(saved, dict):
+        raise ValueError(f"the saved state of parameter {name!r} is not a dict")
+    _check_step(name, saved.get("step"))
+    if from_torch:
+        return _check_torch_state(optimizer, name, param, saved)
+    strategy = get_strategy(group["strategy"])
+    restored = {k: v for k, v in saved.items() if k != "step"}
+    mismatch = strategy.state_mismatch(optimizer.rule, param, _on(restored, param))
+    expected = {c.key for c in strategy.components(optimizer.rule, param.dtype)} - {"param"}
+    extra = set(restored) - expected
+    if mismatch is None and extra:
+        mismatch = f"{sorted(extra)} are not the strategy's"
+    if mismatch is not None:
+        raise ValueError(
+            f"optimizer state of parameter {name!r} does not match strategy "
+            f"{strategy.name!r}: {mismatch}. Load a checkpoint saved with the same strategy "
+            "and model, or convert it with collage.consolidate / collage.load_full_precision")
+
+
+def _check_step(name: str, step) -> None:
+    if step is None:
+        return
+    value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value >= 0 and value == int(value)):
+        raise ValueError(f"the saved step counter of parameter {name!r} is {step!r}; it must "
+                         "be a whole number >= 0")
+
+
+def _check_torch_state(optimizer, name: str, param, saved: dict) -> None:
+    keys = _TORCH_STATE_KEYS[optimizer.rule.name]
+    if not set(saved) <= keys:
+        raise ValueError(f"the saved state of parameter {name!r} has {sorted(set(saved))}; a "
+                         f"torch.optim {optimizer.rule.title} state holds {sorted(keys)} "
+                         "(amsgrad's max_exp_avg_sq is not supported)")
+    for key, value in saved.items():
+        if key == "step" or value is None:
+            continue
+        if (not isinstance(value, torch.Tensor) or not value.is_floating_point()
+                or tuple(value.shape) != tuple(param.shape)):
+            raise ValueError(f"the saved {key!r} of parameter {name!r} must be a floating "
+                             f"tensor of the parameter's shape {tuple(param.shape)}")
+
+
+def _on(state: dict, param) -> dict:
+    """The saved tensors as they will be installed (on the parameter's device)."""
+    return {k: (v.to(param.device) if isinstance(v, torch.Tensor) else v)
+            for k, v in state.items()}
+
+
+def _restored(optimizer, param, group: dict, saved: dict, from_torch: bool, current: dict,
+              position: int) -> dict:
+    strategy = get_strategy(group["strategy"])
+    if from_torch:  # torch.optim's: convert
+        return convert.from_torch_state(optimizer.rule, strategy, param, saved, current,
+                                        optimizer.seed, position)
+    restored = {}
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor):
+            value = value.to(device=param.device, copy=True)
+            if key == "step":
+                value = value.to(torch.float32)
+        restored[key] = value
+    if not isinstance(restored.get("step"), torch.Tensor):
+        restored["step"] = torch.tensor(float(restored.get("step", 0)), dtype=torch.float32)
+    return restored
+
+
+def _checked_extra(extra) -> dict | None:
+    if extra is None:
+        return None
+    for key in ("skipped_steps", "steps_taken", "seed"):
+        value = extra.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"state_dict['collage'][{key!r}] must be an int, got {value!r}")
+    return extra
+
+
+def _set_extra(optimizer, extra: dict | None) -> None:
     if extra is not None:
         optimizer.skipped_steps = extra.get("skipped_steps", 0)
         optimizer._steps_taken = extra.get("steps_taken", 0)
         optimizer.seed = extra.get("seed", optimizer.seed)
-    else:
-        # torch.distributed.checkpoint's get/set_state_dict keep only "state" and
-        # "param_groups" (and step once with lr=0 to create the states before loading):
-        # the per-parameter step counts tell how many steps were taken.
-        steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
-        optimizer._steps_taken = max(steps, default=0)
-
-
-def _check_same_strategies(optimizer, saved_groups: list[dict]) -> None:
-    """A checkpoint's groups must use this optimizer's strategies (torch.optim would copy
-    the saved strategy over ours and mislabel the states)."""
-    for index, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
-        if saved.get("strategy", group["strategy"]) != group["strategy"]:
-            raise ValueError(
-                f"param group {index} was saved with strategy {saved['strategy']!r} but "
-                f"this optimizer uses {group['strategy']!r}; load it into an optimizer "
-                "with the same strategy, or move between strategies with "
-                "collage.consolidate and collage.load_full_precision"
-            )
-
-
-def _check_layout(optimizer, group: dict, index: int) -> None:
-    """A loaded state must be the one this group's strategy makes, dtypes included."""
-    strategy = get_strategy(group["strategy"])
-    for name, param in zip(optimizer._param_names(group, index), group["params"]):
-        state = optimizer.state.get(param)
-        if not state:
-            continue
-        for component in strategy.components(optimizer.rule, param.dtype):
-            if component.key == "param":
-                continue
-            have = state.get(component.key)
-            if have is None or have.dtype != component.dtype:
-                got = "missing" if have is None else str(have.dtype)
-                raise ValueError(
-                    f"optimizer state of parameter {name!r} does not match strategy "
-                    f"{strategy.name!r}: {component.key!r} should be {component.dtype}, "
-                    f"found {got}. Load a checkpoint saved with the same strategy, or "
-                    "convert it with collage.consolidate / collage.load_full_precision"
-                )
+        return
+    # torch.distributed.checkpoint's get/set_state_dict keep only "state" and
+    # "param_groups" (and step once with lr=0 to create the states before loading): the
+    # per-parameter step counts tell how many steps were taken.
+    steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
+    optimizer._steps_taken = max(steps, default=0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from ..draws import stochastic_key
@@ -9,19 +11,29 @@ from ..group import Entry, GroupStep, advance_steps
 from . import calls
 from .plan import NativePlan
 
-__all__ = ["step_planned", "native_entries", "step_native"]
+__all__ = ["planned", "step_planned", "native_entries", "step_native"]
 
 _PLAN = "native_plan"
 
 
-def step_planned(group: GroupStep) -> bool:
-    """Step the group with the plan its last native step left in ``group.cache``; False
-    (nothing changed, the plan dropped) where the plan no longer describes the group."""
-    plan = group.cache.pop(_PLAN, None)
-    if plan is None or group.stats is not None or not plan.step(group):
-        return False
-    group.cache[_PLAN] = plan
-    return True
+def planned(group: GroupStep) -> array | None:
+    """The gradient pointers for the plan the group's last native step left in
+    ``group.cache``, if it still describes the group (``NativePlan.ready``); else None,
+    the plan dropped. Changes nothing else."""
+    plan = group.cache.get(_PLAN)
+    grads = None if plan is None or group.stats is not None else plan.ready(group)
+    if grads is None:
+        group.cache.pop(_PLAN, None)
+    return grads
+
+
+def step_planned(group: GroupStep, grads: array) -> bool:
+    """Step with the plan and :func:`planned`'s pointers; False (nothing changed, the plan
+    dropped) where a step counter changed since."""
+    if group.cache[_PLAN].step(group, grads):
+        return True
+    group.cache.pop(_PLAN)
+    return False
 
 
 def native_entries(group: GroupStep, entries: list[Entry]) -> list[Entry]:

@@ -101,21 +101,24 @@ class NativePlan:
         plan.grad_dtype = first.grad.dtype
         return plan
 
-    def step(self, group: GroupStep) -> bool:
-        """Step the group's items if the plan still describes them; False (nothing
-        changed) otherwise."""
+    def ready(self, group: GroupStep) -> array | None:
+        """The gradients' data pointers if the plan still describes the group's items (the
+        checks of the module docstring), else None. Changes nothing."""
         items = group.items
         if (len(items) != len(self.params) or self.step_value >= _MAX_STEP
                 or group.strategy is not self.strategy):
-            return False
-        grads = self._gradient_pointers(items)
-        if grads is None:
-            return False
+            return None
+        if self.key_of is not None and self.key_of != (
+                group.seed, tuple(item.position for item in items)):
+            return None  # a new seed or parameter order: new key states
+        return self._gradient_pointers(items)
+
+    def step(self, group: GroupStep, grads: array) -> bool:
+        """Step the group with the gradient pointers :meth:`ready` returned; False (nothing
+        changed) when a step counter was changed since the plan's step."""
         self.table[calls.COLUMN_GRAD::calls.TABLE_COLUMNS] = grads
         step = self.step_value + 1
         if self.key_of is not None:  # the draws' keys depend on the step: mixed in by C
-            if self.key_of != (group.seed, tuple(item.position for item in items)):
-                return False  # a new seed or parameter order: new key states
             self.lib.collage_stochastic_keys(len(self.params), self.table.buffer_info()[0],
                                              self.key_states.buffer_info()[0], step)
         scale = None if group.grad_scale is None else float(group.grad_scale)

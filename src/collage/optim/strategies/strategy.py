@@ -161,7 +161,12 @@ class Strategy:
         """Every tensor kept per parameter (the parameter first); ``weight_dtype`` defaults
         to the first accepted dtype."""
         weight_dtype = weight_dtype or self.weight_dtypes[0]
-        return self.weight_components(weight_dtype) + self.state_components(rule, weight_dtype)
+        key = (rule.name, weight_dtype)
+        cache = self.__dict__.setdefault("_components", {})
+        if key not in cache:
+            cache[key] = (self.weight_components(weight_dtype)
+                          + self.state_components(rule, weight_dtype))
+        return cache[key]
 
     def check_rule(self, rule: Rule) -> None:
         """A ValueError where this strategy does not support ``rule``."""
@@ -284,6 +289,38 @@ class Strategy:
         """Set the weight's components from a float64 ``value`` as exactly as they can hold
         it (the inverse of the represented value)."""
         param.copy_(mcf.round_to(value, param.dtype))
+
+    # ------------------------------------------------------------------ checks
+
+    def state_mismatch(self, rule: Rule, param: torch.Tensor, state: Mapping) -> str | None:
+        """What makes ``state`` not this strategy's state of ``param`` (a missing component,
+        a dtype, shape or device that does not match), or None where it matches. Cheap: no
+        tensor data is read."""
+        if param.dtype not in self.weight_dtypes:
+            return f"the weight is {param.dtype}"
+        for component in self.components(rule, param.dtype):
+            if component.key == "param":
+                continue
+            have = state.get(component.key)
+            if not isinstance(have, torch.Tensor):
+                return f"{component.key!r} is missing"
+            numel = param.numel() if component.per == 1 else -(-param.numel() // component.per)
+            if have.dtype != component.dtype:
+                return f"{component.key!r} is {have.dtype}, not {component.dtype}"
+            if (tuple(have.shape) != tuple(param.shape) if component.per == 1
+                    else have.numel() != numel):
+                return (f"{component.key!r} has shape {tuple(have.shape)}, the weight "
+                        f"{tuple(param.shape)}")
+            if have.device != param.device:
+                return f"{component.key!r} is on {have.device}, the weight on {param.device}"
+        return None
+
+    def matches(self, rule: Rule, param: torch.Tensor, state: Mapping) -> bool:
+        """Whether ``state`` holds exactly this strategy's components for ``param``."""
+        if self.state_mismatch(rule, param, state) is not None:
+            return False
+        keys = {c.key for c in self.components(rule, param.dtype)} - {"param"}
+        return set(state) - {"step"} == keys
 
     # ------------------------------------------------------------------ derived facts
 
