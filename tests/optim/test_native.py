@@ -415,15 +415,19 @@ def test_cache_is_reused(fresh_loader) -> None:
 
 
 def test_c_source_ships_with_the_package() -> None:
-    """pyproject.toml's package-data includes optim/*.c (the loader needs the source)."""
+    """pyproject.toml's package-data includes every C source (the loader needs them), and
+    every C file beside them is one of them (the cache key hashes ``SOURCES``)."""
     import tomllib
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     config = tomllib.loads((root / "pyproject.toml").read_text())
     patterns = config["tool"]["setuptools"]["package-data"]["collage"]
-    assert any(native.SOURCE.match(f"*/{pattern}") for pattern in patterns)
-    assert native.SOURCE.exists() and shutil.which(build._compiler()[0])
+    for source in native.SOURCES:
+        assert any(source.match(f"*/{pattern}") for pattern in patterns), source
+        assert source.exists(), source
+    assert set(native.SOURCES[0].parent.glob("*.[ch]")) == set(native.SOURCES)
+    assert shutil.which(build._compiler()[0])
 
 
 def test_compiler_without_openmp_falls_back_to_the_thread_pool(fresh_loader, monkeypatch,

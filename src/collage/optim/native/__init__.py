@@ -7,7 +7,7 @@ the non-finite check), ``plan`` reuses a group's call from step to step, and ``p
 the dispatch's entry. ``COLLAGE_NATIVE=0`` turns them off.
 """
 
-from .build import ABI, SOURCE, available, backend, info, load, loaded
+from .build import ABI, SOURCES, UNITS, available, backend, info, load, loaded
 from .calls import (
     COLUMN_GRAD,
     COLUMN_KEY0,
@@ -27,8 +27,9 @@ __all__ = [
     "COLUMN_KEY0",
     "COLUMN_KEY1",
     "FIELDS_COUNT",
-    "SOURCE",
+    "SOURCES",
     "TABLE_COLUMNS",
+    "UNITS",
     "adamw",
     "any_nonfinite",
     "available",

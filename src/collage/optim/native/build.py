@@ -1,15 +1,26 @@
-"""Building, caching and loading the native library (``native_adamw.c``).
+"""Building, caching and loading the native library.
 
-**Build.** The C source (shipped with the package) is compiled on first use with the
-system C compiler (``$CC``, else ``cc``, ``gcc``, ``clang``), ``-O3 -march=native
--ffp-contract=off -fopenmp -shared -fPIC``, without torch headers, into
+**Sources.** ``SOURCES``, shipped with the package, split by concern (``native.h`` maps
+them): ``native.h`` (layout, ABI, exported functions), ``rounding.h`` (bit helpers),
+``step.h`` and ``step_avx512.h`` (the per-element step, shared by the measured and
+unmeasured kernels), and three translation units, ``UNITS``: ``adamw.c`` (unmeasured entry
+points), ``measured.c`` (the measured one), ``support.c`` (the rest).
+
+**Build.** The units are compiled on first use with the system C compiler (``$CC``, else
+``cc``, ``gcc``, ``clang``) in one call, ``cc -O3 -march=native -ffp-contract=off -fopenmp
+-shared -fPIC -o lib.so adamw.c measured.c support.c -lm``, without torch headers, into
 ``$COLLAGE_CACHE_DIR/native/`` (default ``~/.cache/collage/native/``; ``$XDG_CACHE_HOME``
-is honoured). The file name is a hash of the source, the compiler's version, the flags and
+is honoured). One call with every unit, rather than one file that includes the others:
+each ``.c`` stays a translation unit that compiles on its own, and the command is the
+single-file one with three names. The step is ``static inline`` code in headers, so each
+entry point is compiled from the same code as when the library was one file: the generated
+code is the same, instruction for instruction. The file name is a hash of every source
+(units and headers: editing any of them rebuilds), the compiler's version, the flags and
 the machine (architecture and CPU flags), so a new compiler or CPU builds a new library and
 a cluster's shared home never loads another machine's code. The library is written to a
-temporary name and renamed (concurrent processes never load a partial file). The C file
-selects AVX-512 intrinsics where the target has them (``__AVX512F__``, BW, VL) and a
-portable scalar loop otherwise, so it builds on any machine; if ``-fopenmp`` or
+temporary name and renamed (concurrent processes never load a partial file). The sources
+select AVX-512 intrinsics where the target has them (``__AVX512F__``, BW, VL) and a
+portable scalar loop otherwise, so they build on any machine; if ``-fopenmp`` or
 ``-march=native`` is refused (or the OpenMP build does not load) the build retries without.
 
 **Fallback.** No compiler, a failed build or ``COLLAGE_NATIVE=0``: :func:`available` is
@@ -38,9 +49,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "backend", "info", "loaded", "load", "ABI", "SOURCE"]
+__all__ = ["available", "backend", "info", "loaded", "load", "ABI", "SOURCES", "UNITS"]
 
-SOURCE = Path(__file__).with_name("native_adamw.c")
+_HERE = Path(__file__).parent
+#: the translation units, compiled together in one call into one library
+UNITS = tuple(_HERE / name for name in ("adamw.c", "measured.c", "support.c"))
+#: every C source of the library, the units and the headers they include: the cache key
+#: hashes them all
+SOURCES = UNITS + tuple(_HERE / name for name in ("native.h", "rounding.h", "step.h",
+                                                  "step_avx512.h"))
 ABI = 5
 # in order of preference: OpenMP (torch's own runtime once loaded), without, portable
 _FLAGS = (("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"),
@@ -94,6 +111,13 @@ def _machine() -> str:
     return "\n".join(words)
 
 
+def _sources_digest() -> str:
+    """Each source's name and SHA-256, one per line: the part of the cache key that changes
+    when any unit or header does."""
+    return "\n".join(f"{path.name} {hashlib.sha256(path.read_bytes()).hexdigest()}"
+                     for path in SOURCES)
+
+
 def _build(cc: list[str], flag_sets=_FLAGS) -> tuple[Path, bool]:
     """(path of the library, whether it was compiled now) with the first of ``flag_sets``
     that compiles; raises RuntimeError when none does."""
@@ -102,7 +126,7 @@ def _build(cc: list[str], flag_sets=_FLAGS) -> tuple[Path, bool]:
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as error:
         raise RuntimeError(f"{cc[0]} --version failed: {error}") from None
-    source = SOURCE.read_bytes()
+    sources = _sources_digest().encode()
     cache = _cache_dir()
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -111,7 +135,7 @@ def _build(cc: list[str], flag_sets=_FLAGS) -> tuple[Path, bool]:
         cache.mkdir(parents=True, exist_ok=True)
     errors = []
     for flags in flag_sets:
-        key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
+        key = hashlib.sha256(b"\0".join([sources, version.encode(), " ".join(flags).encode(),
                                          _machine().encode()])).hexdigest()[:20]
         target = cache / f"native_adamw-{key}.so"
         if target.exists():
@@ -119,7 +143,7 @@ def _build(cc: list[str], flag_sets=_FLAGS) -> tuple[Path, bool]:
         fd, temporary = tempfile.mkstemp(prefix=".native_adamw-", suffix=".so", dir=cache)
         os.close(fd)
         try:
-            done = subprocess.run([*cc, *flags, "-o", temporary, str(SOURCE), "-lm"],
+            done = subprocess.run([*cc, *flags, "-o", temporary, *map(str, UNITS), "-lm"],
                                   capture_output=True, text=True, timeout=300)
             if done.returncode == 0:
                 os.replace(temporary, target)
