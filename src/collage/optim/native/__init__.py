@@ -2,9 +2,10 @@
 called through ctypes.
 
 On CPU the native path runs these where they cover a group (:func:`covers`); ``build``
-compiles and caches the library, ``calls`` makes one call (the table of tensors, threads,
-the non-finite check), ``plan`` reuses a group's call from step to step, and ``path`` is
-the dispatch's entry. ``COLLAGE_NATIVE=0`` turns them off.
+compiles and loads the library, ``cache`` decides where it is cached and whether a cached
+file may be loaded (``docs/security.md``), ``calls`` makes one call (the table of tensors,
+threads, the non-finite check), ``plan`` reuses a group's call from step to step, and
+``path`` is the dispatch's entry. ``COLLAGE_NATIVE=0`` turns them off.
 """
 
 from .build import ABI, SOURCES, UNITS, available, backend, info, load, loaded

@@ -18,10 +18,18 @@ code is the same, instruction for instruction. The file name is a hash of every 
 (units and headers: editing any of them rebuilds), the compiler's version, the flags and
 the machine (architecture and CPU flags), so a new compiler or CPU builds a new library and
 a cluster's shared home never loads another machine's code. The library is written to a
-temporary name and renamed (concurrent processes never load a partial file). The sources
-select AVX-512 intrinsics where the target has them (``__AVX512F__``, BW, VL) and a
-portable scalar loop otherwise, so they build on any machine; if ``-fopenmp`` or
-``-march=native`` is refused (or the OpenMP build does not load) the build retries without.
+temporary name and renamed (concurrent processes never load a partial file).
+
+**Trust** (``cache``, ``docs/security.md``). Native code is built in and loaded from a
+directory only if no other user can write it or a directory above it, and a cached library
+only if it and the record of its SHA-256 beside it are files of ours that no one else can
+write and its bytes still have that digest; otherwise one warning, and a rebuild (in the
+process's own ``mkdtemp`` directory where the cache itself is not private).
+
+**Instruction sets.** The sources select AVX-512 intrinsics where the target has them
+(``__AVX512F__``, BW, VL) and a portable scalar loop otherwise, so they build on any
+machine; if ``-fopenmp`` or ``-march=native`` is refused (or the OpenMP build does not load)
+the build retries without.
 
 **Fallback.** No compiler, a failed build or ``COLLAGE_NATIVE=0``: :func:`available` is
 False and the CPU paths use inductor's kernels (``fused=True``) or the eager ones; a failed
@@ -42,12 +50,13 @@ import platform
 import shlex
 import shutil
 import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
 
 import torch
+
+from . import cache
 
 __all__ = ["available", "backend", "info", "loaded", "load", "ABI", "SOURCES", "UNITS"]
 
@@ -73,14 +82,6 @@ _info: dict = {}
 # ---------------------------------------------------------------------------------------
 # build and load
 # ---------------------------------------------------------------------------------------
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("COLLAGE_CACHE_DIR")
-    if root:
-        return Path(root) / "native"
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "collage" / "native"
 
 
 def _compiler() -> list[str] | None:
@@ -120,41 +121,45 @@ def _sources_digest() -> str:
 
 def _build(cc: list[str], flag_sets=_FLAGS) -> tuple[Path, bool]:
     """(path of the library, whether it was compiled now) with the first of ``flag_sets``
-    that compiles; raises RuntimeError when none does."""
+    that compiles; raises RuntimeError when none does. A cached library is reused only where
+    ``cache`` trusts it: its directory, its file and its recorded SHA-256."""
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as error:
         raise RuntimeError(f"{cc[0]} --version failed: {error}") from None
     sources = _sources_digest().encode()
-    cache = _cache_dir()
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-    except OSError:  # read-only home: a per-user directory under the temporary one
-        cache = Path(tempfile.gettempdir()) / f"collage-native-{os.getuid()}"
-        cache.mkdir(parents=True, exist_ok=True)
+    directory = cache.build_dir()
     errors = []
     for flags in flag_sets:
         key = hashlib.sha256(b"\0".join([sources, version.encode(), " ".join(flags).encode(),
                                          _machine().encode()])).hexdigest()[:20]
-        target = cache / f"native_adamw-{key}.so"
-        if target.exists():
+        target = cache.trusted_target(directory / f"{cache.PREFIX}{key}.so")
+        if cache.unchanged(target):
             return target, False
-        fd, temporary = tempfile.mkstemp(prefix=".native_adamw-", suffix=".so", dir=cache)
-        os.close(fd)
         try:
-            done = subprocess.run([*cc, *flags, "-o", temporary, *map(str, UNITS), "-lm"],
-                                  capture_output=True, text=True, timeout=300)
-            if done.returncode == 0:
-                os.replace(temporary, target)
-                return target, True
-            errors.append(f"{' '.join(flags)}: {done.stderr.strip()[-500:]}")
-        except (OSError, subprocess.SubprocessError) as error:
-            errors.append(f"{' '.join(flags)}: {error}")
-        finally:
-            if os.path.exists(temporary):
-                os.unlink(temporary)
+            _compile(cc, flags, target)
+            return target, True
+        except RuntimeError as error:
+            errors.append(str(error))
     raise RuntimeError("compilation failed: " + " | ".join(errors))
+
+
+def _compile(cc: list[str], flags: tuple[str, ...], target: Path) -> None:
+    """Compile ``UNITS`` with ``flags`` into ``target`` (under a temporary name, then
+    ``cache.install``); a RuntimeError with the compiler's message where it fails."""
+    built = cache.new_file(target.parent)
+    try:
+        done = subprocess.run([*cc, *flags, "-o", str(built), *map(str, UNITS), "-lm"],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(flags)}: {done.stderr.strip()[-500:]}")
+        cache.install(built, target)
+    except (OSError, subprocess.SubprocessError) as error:
+        raise RuntimeError(f"{' '.join(flags)}: {error}") from None
+    finally:
+        if built.exists():
+            built.unlink()
 
 
 def load() -> ctypes.CDLL | None:
@@ -265,6 +270,7 @@ def _reset() -> None:
     with _lock:
         _lib, _tried = None, False
         _info.clear()
+        cache.reset()
 
 
 
