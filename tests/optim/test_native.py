@@ -27,16 +27,22 @@ import pytest
 import torch
 
 import collage
-from collage.optim import fused, get_strategy, kernels, native
-from collage.optim.native_plan import NativePlan
+from collage.optim import compiled, get_strategy, kernels, native
+from collage.optim.draws import counter_uniform, draw_key
+from collage.optim.native import build
+from collage.optim.native import calls as native_calls
+from collage.optim.native.plan import NativePlan
 from collage.optim.rules import AdamWRule
+from collage.optim.strategies import all_strategies
 
 from ._common import bits
 
 pytestmark = pytest.mark.skipif(
-    native._compiler() is None, reason="no C compiler: the native kernels cannot be built")
+    build._compiler() is None, reason="no C compiler: the native kernels cannot be built")
 
-STRATEGIES = tuple(native.STRATEGY_CODES)
+#: the strategies with a native code, in code order
+STRATEGIES = tuple(s.name for s in sorted(all_strategies(), key=lambda s: s.native_code or 0)
+                   if s.native_code is not None)
 
 
 class IEEESqrtAdamW(AdamWRule):
@@ -129,8 +135,9 @@ def _reference_step(opt, case: Case, strategy: str, key_param, param, grad, stat
         g = -g
     draws = None
     if strategy == "stochastic":  # the fused path's in-kernel draws, computed eagerly
-        seeds = fused.stochastic_seeds(opt, key_param, step, 0, param.device)
-        draws = fused.counter_uniform(param.numel(), seeds)
+        position = opt._parameter_positions()[id(key_param)]
+        seeds = draw_key(opt.seed, position, step, 0, param.device)
+        draws = counter_uniform(param.numel(), seeds)
     kernels.fast_step(RULE, get_strategy(strategy), param, g, state,
                       RULE.coefficients(group, step), draws)
 
@@ -166,19 +173,19 @@ def calls(monkeypatch):
     """The strategies the native kernels stepped (it must run): by native.adamw or by a
     group's NativePlan (the later steps of a group)."""
     seen: list[str] = []
-    original, original_plan = native.adamw, NativePlan.step
+    original, original_plan = native_calls.adamw, NativePlan.step
 
     def spy(strategy, *args, **kwargs):
-        seen.append(strategy)
+        seen.append(strategy.name)
         return original(strategy, *args, **kwargs)
 
-    def plan_spy(self, optimizer, group, items, grad_scale):
-        done = original_plan(self, optimizer, group, items, grad_scale)
+    def plan_spy(self, group):
+        done = original_plan(self, group)
         if done:
-            seen.append(get_strategy(group["strategy"]).name)
+            seen.append(group.strategy.name)
         return done
 
-    monkeypatch.setattr(native, "adamw", spy)
+    monkeypatch.setattr(native_calls, "adamw", spy)
     monkeypatch.setattr(NativePlan, "step", plan_spy)
     return seen
 
@@ -191,7 +198,7 @@ def test_native_is_the_foreach_kernel_bit_for_bit(strategy: str, case: Case, cal
     shadow = [p.detach().clone() for p in params]
     shadow_state = [{} for _ in params]
     for p, s in zip(shadow, shadow_state):
-        kernels.init_state(RULE, get_strategy(strategy), p, s)
+        get_strategy(strategy).init_state(RULE, p, s)
     for step in range(3):
         grads = _grads(params, step, case.data)
         for p, g in zip(params, grads):
@@ -232,7 +239,7 @@ def test_low_parts_where_the_new_value_rounds_to_infinity(strategy: str) -> None
     param.grad = torch.zeros(n, dtype=torch.bfloat16)
     opt.step()
     state = opt.state[param]
-    low_key = native._EXTRA[strategy]
+    low_key = native.row_layout(RULE, get_strategy(strategy))[3][0]  # the extra column
     state[low_key].copy_(torch.where(crafted, 1.2e36, 0.0).bfloat16())
     if strategy == "plus":
         state["exp_avg_sq"].copy_(torch.where(crafted, largest, 1e-8).bfloat16())
@@ -257,27 +264,28 @@ def test_low_parts_where_the_new_value_rounds_to_infinity(strategy: str) -> None
 def test_float32_gradients_for_bf16_weights_and_threads(monkeypatch) -> None:
     """Direct calls: float32 gradients converted in registers; 1 and 3 threads (cut into
     ranges, draws indexed by the element's position) give the same bits."""
-    monkeypatch.setattr(native, "_MIN_CHUNK", 64)
+    monkeypatch.setattr(native_calls, "_MIN_CHUNK", 64)
     results = []
     for threads, grad_dtype in ((1, torch.float32), (3, torch.float32), (1, torch.bfloat16)):
         gen = torch.Generator().manual_seed(3)
         w = _values(5000, gen, "hard", 1.0).bfloat16()
         g32 = _values(5000, gen, "hard", 1e-3)
         state: dict = {}
-        kernels.init_state(RULE, get_strategy("stochastic"), w, state)
+        get_strategy("stochastic").init_state(RULE, w, state)
         coeffs = RULE.coefficients({"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8,
                                     "weight_decay": 0.1}, 1)
         grad = g32.to(grad_dtype)
-        row = native.row_tensors("stochastic", w, grad, state)
-        native.adamw("stochastic", coeffs, [(row, 7, -123456, 987654)], threads=threads)
+        row = native.row_tensors(RULE, get_strategy("stochastic"), w, grad, state)
+        native.adamw(get_strategy("stochastic"), coeffs, [(row, 7, -123456, 987654)],
+                     threads=threads)
         results.append((w, state, grad))
         # the reference: the same draws, from element index 7
         ref_w = _values(5000, torch.Generator().manual_seed(3), "hard", 1.0).bfloat16()
         ref_state: dict = {}
-        kernels.init_state(RULE, get_strategy("stochastic"), ref_w, ref_state)
+        get_strategy("stochastic").init_state(RULE, ref_w, ref_state)
         seeds = torch.tensor([-123456, 987654, 7], dtype=torch.int32)
         kernels.fast_step(RULE, get_strategy("stochastic"), ref_w, grad.float(), ref_state,
-                          coeffs, fused.counter_uniform(5000, seeds))
+                          coeffs, counter_uniform(5000, seeds))
         _assert_same_bits(w, ref_w, f"{threads} threads, {grad_dtype} gradients")
         for key in ("exp_avg", "exp_avg_sq"):
             _assert_same_bits(state[key], ref_state[key], key)
@@ -293,10 +301,10 @@ def test_other_builds_give_the_same_bits(flags, tmp_path, monkeypatch) -> None:
     rounds with integer operations equal the default build, on every strategy."""
     monkeypatch.setenv("COLLAGE_CACHE_DIR", str(tmp_path))
     try:
-        path, _ = native._build(native._compiler(), [flags])
+        path, _ = build._build(build._compiler(), [flags])
     except RuntimeError as error:
         pytest.skip(f"this compiler cannot build {flags}: {error}")
-    other = native._open(path)
+    other = build._open(path)
     coeffs = RULE.coefficients({"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8,
                                 "weight_decay": 0.1}, 2)
     for strategy in STRATEGIES:
@@ -306,12 +314,13 @@ def test_other_builds_give_the_same_bits(flags, tmp_path, monkeypatch) -> None:
             rows = []
             for p, g in zip(params, _grads(params, 2, "nonfinite")):
                 state: dict = {}
-                kernels.init_state(RULE, get_strategy(strategy), p, state)
+                get_strategy(strategy).init_state(RULE, p, state)
                 for key in ("exp_avg", "exp_avg_sq"):  # nonzero moments
                     state[key].copy_(g.abs().to(state[key].dtype))
-                rows.append((native.row_tensors(strategy, p.detach(), g, state), 0, 5, 6))
+                rows.append((native.row_tensors(RULE, get_strategy(strategy), p.detach(), g,
+                                                state), 0, 5, 6))
                 outputs.append((p, state))
-            native.adamw(strategy, coeffs, rows, scale=4.0, lib=lib)
+            native.adamw(get_strategy(strategy), coeffs, rows, scale=4.0, lib=lib)
         half = len(outputs) // 2
         for (pa, sa), (pb, sb) in zip(outputs[:half], outputs[half:]):
             nan = _nan_master(strategy, pa.detach(), sa, pb.detach(), sb)
@@ -329,7 +338,7 @@ def test_default_path_on_cpu_is_native_and_measured_steps_compile_nothing(calls,
     def no_compile(*args, **kwargs):
         raise AssertionError("inductor must not compile here")
 
-    monkeypatch.setattr(fused, "_compile", no_compile)
+    monkeypatch.setattr(compiled, "_compile", no_compile)
     params = _params("plus", "hard")
     opt = collage.AdamW(params, strategy="plus", track_updates=2)
     for step in range(4):
@@ -356,10 +365,10 @@ def test_fp16_weights_and_other_rules_are_not_covered(calls) -> None:
 def fresh_loader(monkeypatch, tmp_path):
     """An empty cache directory and a loader that has not tried yet; restored after."""
     monkeypatch.setenv("COLLAGE_CACHE_DIR", str(tmp_path))
-    native._reset()
+    build._reset()
     yield tmp_path
     monkeypatch.undo()
-    native._reset()
+    build._reset()
 
 
 def test_missing_compiler_warns_once_and_falls_back(fresh_loader, monkeypatch) -> None:
@@ -377,7 +386,7 @@ def test_missing_compiler_warns_once_and_falls_back(fresh_loader, monkeypatch) -
     ours = [w for w in caught if "native CPU kernels unavailable" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in caught]
     assert "cc-collage-test" in str(ours[0].message)
-    assert not native.available() and ob._fused_backend is None
+    assert not native.available() and ob.last_paths == {0: "foreach"}
     for pa, pb in zip(a, b):
         _assert_same_bits(pb.detach(), pa.detach(), "fallback weight")
     assert not list(fresh_loader.rglob("*.so"))
@@ -399,22 +408,26 @@ def test_cache_is_reused(fresh_loader) -> None:
     first = native.info()
     assert first["compiled"] and first["path"].startswith(str(fresh_loader))
     assert not list((fresh_loader / "native").glob(".native_adamw-*"))  # no temporaries
-    native._reset()
+    build._reset()
     assert native.available()
     second = native.info()
     assert not second["compiled"] and second["path"] == first["path"]
 
 
 def test_c_source_ships_with_the_package() -> None:
-    """pyproject.toml's package-data includes optim/*.c (the loader needs the source)."""
+    """pyproject.toml's package-data includes every C source (the loader needs them), and
+    every C file beside them is one of them (the cache key hashes ``SOURCES``)."""
     import tomllib
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     config = tomllib.loads((root / "pyproject.toml").read_text())
     patterns = config["tool"]["setuptools"]["package-data"]["collage"]
-    assert any(native.SOURCE.match(f"*/{pattern}") for pattern in patterns)
-    assert native.SOURCE.exists() and shutil.which(native._compiler()[0])
+    for source in native.SOURCES:
+        assert any(source.match(f"*/{pattern}") for pattern in patterns), source
+        assert source.exists(), source
+    assert set(native.SOURCES[0].parent.glob("*.[ch]")) == set(native.SOURCES)
+    assert shutil.which(build._compiler()[0])
 
 
 def test_compiler_without_openmp_falls_back_to_the_thread_pool(fresh_loader, monkeypatch,
@@ -424,10 +437,10 @@ def test_compiler_without_openmp_falls_back_to_the_thread_pool(fresh_loader, mon
     thread."""
     wrapper = tmp_path_factory.mktemp("cc") / "cc-no-openmp"
     wrapper.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\n'
-                       f'exec {shutil.which(native._compiler()[0])} "$@"\n')
+                       f'exec {shutil.which(build._compiler()[0])} "$@"\n')
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
-    monkeypatch.setattr(native, "_MIN_CHUNK", 64)
+    monkeypatch.setattr(native_calls, "_MIN_CHUNK", 64)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert native.available()
@@ -441,9 +454,10 @@ def test_compiler_without_openmp_falls_back_to_the_thread_pool(fresh_loader, mon
         rows = []
         for p, g in zip(params, grads):
             state: dict = {}
-            kernels.init_state(RULE, get_strategy("plus"), p.detach(), state)
-            rows.append((native.row_tensors("plus", p.detach(), g, state), 0, 0, 0))
-        native.adamw("plus", coeffs, rows, threads=threads)
+            get_strategy("plus").init_state(RULE, p.detach(), state)
+            rows.append((native.row_tensors(RULE, get_strategy("plus"), p.detach(), g, state),
+                         0, 0, 0))
+        native.adamw(get_strategy("plus"), coeffs, rows, threads=threads)
         stepped.append(rows)
     for (one, _, _, _), (three, _, _, _) in zip(*stepped):
         for a, b in zip(one, three):
@@ -477,11 +491,10 @@ def test_stochastic_rounding_of_every_low_half_is_the_reference(pairs: bool,
                                                                0x12345678, 0, 1, 2, 3])])
     x = (words - ((words >> 31) << 32)).to(torch.int32).view(torch.float32).contiguous()
     key0, key1 = -123_456_789, 987_654_321
-    draws = fused.counter_uniform(x.numel(), torch.tensor([key0, key1, first],
-                                                          dtype=torch.int32))
+    draws = counter_uniform(x.numel(), torch.tensor([key0, key1, first], dtype=torch.int32))
     want = _stochastic_round_bf16(x, draws)
     got = torch.empty(x.numel(), dtype=torch.bfloat16)
-    lib = native.loaded() or native._load()
+    lib = native.loaded() or native.load()
     lib.collage_stochastic_round(x.data_ptr(), x.numel(), first, key0, key1, got.data_ptr(),
                                  int(pairs))
     nan = want.isnan()

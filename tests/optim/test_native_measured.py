@@ -32,15 +32,17 @@ import torch
 import collage
 from collage.metrics import FIELDS, UpdateStats, component_change
 from collage.metrics.stats import BLOCK
-from collage.optim import fused, get_strategy, kernels, native
+from collage.optim import get_strategy, kernels, native
+from collage.optim.draws import counter_uniform, stochastic_key
+from collage.optim.native import build
+from collage.optim.native import calls as native_calls
 
-from .test_native import RULE, _assert_same_bits, _nan_master, _values
+from .test_native import RULE, STRATEGIES, _assert_same_bits, _nan_master, _values
 from .test_native import calls  # noqa: F401 (the fixture: native.adamw's calls, measured or not)
 
 pytestmark = pytest.mark.skipif(
-    native._compiler() is None, reason="no C compiler: the native kernels cannot be built")
+    build._compiler() is None, reason="no C compiler: the native kernels cannot be built")
 
-STRATEGIES = tuple(native.STRATEGY_CODES)
 #: float32 rounding unit
 U = 2.0**-24
 #: test_measured_cpu.SUM_BOUND: a sum's error relative to the sum of its absolute terms
@@ -102,7 +104,7 @@ def _tensors(strategy: str, case: Case, n: int, seed: int) -> tuple:
     weight = w.to(dtype)
     grad = g.to(torch.float32 if case.grad == "fp32" else dtype)
     state: dict = {}
-    kernels.init_state(RULE, get_strategy(strategy), weight, state)
+    get_strategy(strategy).init_state(RULE, weight, state)
     for key in ("exp_avg", "exp_avg_sq"):
         value = torch.randn(n, generator=gen).abs() * (case.grad_size or 1e-3)
         state[key].copy_(value.square() if key == "exp_avg_sq" else value)
@@ -130,16 +132,16 @@ def _reference(strategy: str, case: Case, weight, grad, state, keys: tuple[int, 
     draws = None
     if strategy == "stochastic":
         seeds = torch.tensor([keys[0], keys[1], 0], dtype=torch.int32)
-        draws = fused.counter_uniform(weight.numel(), seeds)
-    before = [t.float().clone() for t in kernels.represented_parts(st, weight, state)]
+        draws = counter_uniform(weight.numel(), seeds)
+    before = [t.float().clone() for t in st.represented_parts(weight, state)]
     visible_before = weight.float().clone()
     d = kernels.fast_step(RULE, st, weight, g, state, coeffs or _coeffs(case), draws, True,
                           intended_dtype=torch.float32)
-    after = [t.float() for t in kernels.represented_parts(st, weight, state)]
+    after = [t.float() for t in st.represented_parts(weight, state)]
     e, stuck = component_change(before, after)
     # fp32, bf16, stochastic: the visible weight is the represented one, ev == e
     ev, stuck_visible = component_change([visible_before], [weight.float()])
-    comp = kernels.compensation_of(st, state)
+    comp = st.compensation_of(state)
     c = comp.float() if comp is not None else torch.zeros_like(d)
     d, e, ev, c = (t.double() for t in (d, e, ev, c))
     moving = d != 0
@@ -178,10 +180,11 @@ KEYS = (-123456, 987654)
 
 
 def _native(strategy, case, tensors, measured: bool, threads: int = 1, lib=None):
-    rows = [(native.row_tensors(strategy, w, g, s), 0, *KEYS) for w, g, s in tensors]
+    st = get_strategy(strategy)
+    rows = [(native.row_tensors(RULE, st, w, g, s), 0, *KEYS) for w, g, s in tensors]
     sums = torch.full((len(rows), len(FIELDS)), float("nan"), dtype=torch.float64) \
         if measured else None
-    native.adamw(strategy, _coeffs(case), rows, scale=case.scale,
+    native.adamw(st, _coeffs(case), rows, scale=case.scale,
                  maximize=bool(case.group.get("maximize")), threads=threads, sums=sums,
                  lib=lib)
     return sums
@@ -224,7 +227,7 @@ def test_threads_and_portable_build_give_the_same_step_and_sums(strategy, monkey
                                                                 portable) -> None:
     """3 threads (tensors cut between threads, every 64 elements) and the scalar build
     (256-element float32 blocks): the same bits, the same counts, sums within the bound."""
-    monkeypatch.setattr(native, "_MIN_CHUNK", 64)
+    monkeypatch.setattr(native_calls, "_MIN_CHUNK", 64)
     case = CASES[0]
     one = _rows(strategy, case, seed=20)
     three, scalar = [_copy(*t) for t in one], [_copy(*t) for t in one]
@@ -250,7 +253,7 @@ def test_openmp_threads_give_the_same_step(strategy) -> None:
     """Unmeasured calls of an OpenMP build split the rows in C (3 threads: cuts inside
     tensors, moved to multiples of 64 elements): the bits of one thread, stochastic's draws
     included (each is keyed by its element's index in its tensor)."""
-    lib = native._load()
+    lib = native.load()
     if lib is None or not lib.collage_native_openmp():
         pytest.skip("the native library was built without OpenMP")
     case = CASES[0]
@@ -264,7 +267,7 @@ def test_openmp_threads_give_the_same_step(strategy) -> None:
 def test_openmp_build_shares_torchs_runtime() -> None:
     """Where torch runs on GNU OpenMP, the library binds to torch's libgomp (one runtime,
     one set of threads), as native.info() reports."""
-    lib = native._load()
+    lib = native.load()
     if lib is None or not lib.collage_native_openmp():
         pytest.skip("the native library was built without OpenMP")
     if "OpenMP" not in torch.__config__.parallel_info():
@@ -283,11 +286,11 @@ def portable(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COLLAGE_CACHE_DIR", str(cache))
         try:
-            path, _ = native._build(native._compiler(),
-                                    [("-O3", "-ffp-contract=off", "-shared", "-fPIC")])
+            path, _ = build._build(build._compiler(),
+                                   [("-O3", "-ffp-contract=off", "-shared", "-fPIC")])
         except RuntimeError:
             return None
-    return native._open(path)
+    return build._open(path)
 
 
 # ---------------------------------------------------------------------------------------
@@ -316,6 +319,7 @@ def test_optimizer_reports_the_reference_metrics(strategy, calls) -> None:
                         fused=True)
     plain = collage.AdamW(groups(twin), lr=1e-3, strategy=strategy, fused=True)
     gen = torch.Generator().manual_seed(1)
+    positions = opt._parameter_positions()
     for step in range(3):
         want = UpdateStats()
         scale = 1024.0 if step == 1 else None
@@ -325,7 +329,7 @@ def test_optimizer_reports_the_reference_metrics(strategy, calls) -> None:
                 g = (torch.randn(p.shape, generator=gen) * 1e-3 * (scale or 1.0)).to(p.dtype)
                 p.grad, q.grad = g, g.clone()
                 if not opt.state[p]:
-                    kernels.init_state(opt.rule, get_strategy(strategy), p, opt.state[p])
+                    get_strategy(strategy).init_state(opt.rule, p, opt.state[p])
                 ref_w, ref_g, ref_s = _copy(p.detach(), g, opt.state[p])
                 ref_s["step"] += 1
                 case = Case("opt", {"lr": group["lr"], "betas": group["betas"],
@@ -333,9 +337,9 @@ def test_optimizer_reports_the_reference_metrics(strategy, calls) -> None:
                                     "maximize": group["maximize"]}, scale=scale)
                 step_value = int(ref_s["step"])
                 sums, _ = _reference(strategy, case, ref_w, ref_g, ref_s,
-                                     fused.stochastic_key(opt, p, step_value),
+                                     stochastic_key(opt.seed, positions[id(p)], step_value),
                                      RULE.coefficients(case.group, step_value))
-                want.add_sums(opt._stat_keys(index, group, name), sums)
+                want.add_sums(("", f"group{index}", name), sums)  # optimizer._gather's keys
         if scale is not None:
             opt.grad_scale = plain.grad_scale = torch.tensor(scale)
         opt.step()
@@ -354,7 +358,7 @@ def test_optimizer_reports_the_reference_metrics(strategy, calls) -> None:
                 assert math.isclose(got[key], value, rel_tol=SUM_BOUND, abs_tol=1e-30), key
         for (_, p), (_, q) in zip(named, twin):
             _assert_same_bits(p.detach(), q.detach(), f"step {step} weight")
-    assert opt._fused_backend == "native" and set(calls) == {strategy}
+    assert set(opt.last_paths.values()) == {"native"} and set(calls) == {strategy}
 
 
 @pytest.mark.parametrize("strategy", ("bf16", "light", "plus", "mixed", "split"))

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import collage
-from collage.optim import native, native_plan
-from collage.optim.native_plan import NativePlan
+from collage.optim import native
+from collage.optim.draws import MIX_START, mix_state, stochastic_key
+from collage.optim.native import plan as native_plan
+from collage.optim.native.plan import NativePlan
 
 from ._common import bits
 
@@ -26,6 +28,9 @@ STRATEGIES = ("fp32", "mixed", "bf16", "kahan", "stochastic", "light", "plus", "
 # a vector, a matrix, one tensor above 2 x 65,536 elements (two threads cut it)
 SHAPES = ((7,), (33, 5), (300, 500))
 STEPS = 5
+# NativePlan.build as defined, and one that never makes a plan (plans switched off)
+_BUILD = NativePlan.__dict__["build"]
+_NO_PLAN = classmethod(lambda cls, group, entries: None)
 
 
 def _model(strategy: str, seed: int = 0) -> list[torch.nn.Parameter]:
@@ -63,7 +68,8 @@ class _PlanSteps:
 def _train(strategy: str, plans: bool, monkeypatch, change=None):
     """STEPS steps with a new learning rate each; ``change(opt, params, step)`` runs before
     step 3 and may return tensors that must not change afterwards."""
-    monkeypatch.setattr(native_plan, "ENABLED", plans)
+    # plans off: none is ever built, so every step takes the general path
+    monkeypatch.setattr(NativePlan, "build", _BUILD if plans else _NO_PLAN)
     params = _model(strategy)
     opt = _optimizer(strategy, params)
     frozen = []
@@ -74,7 +80,7 @@ def _train(strategy: str, plans: bool, monkeypatch, change=None):
             kept = change(opt, params) or []
             frozen = [(t, t.clone()) for t in kept]
         opt.step()
-        assert opt._fused_backend == "native"
+        assert set(opt.last_paths.values()) == {"native"}
         for group in opt.param_groups:
             group["lr"] *= 0.7
     for old, snapshot in frozen:  # the plan never wrote through a stale pointer
@@ -193,7 +199,7 @@ def test_load_state_dict_drops_the_plans(monkeypatch) -> None:
     import weakref
 
     params, opt = _train("plus", True, monkeypatch)
-    assert opt._native_plans
+    assert any("native_plan" in cache for cache in opt._caches.values())
     old = weakref.ref(opt.state[params[0]]["exp_avg"])
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     gc.collect()
@@ -204,23 +210,21 @@ def test_keys_mixed_in_c_are_the_python_keys() -> None:
     """``collage_stochastic_keys`` (the step mixed into a kept ``base._mix`` state) equals
     ``fused.stochastic_key`` for seeds of every sign and size, positions and steps up to the
     plans' limit: integer arithmetic, compared exactly."""
-    from collage.optim import fused
-    from collage.optim.base import _MIX_START, _mix_state
-
     lib = native.loaded()
     for seed in (0, 1, -1, 2**31, -(2**40) + 3, 2**64 - 1, 2**70 + 5):
         opt = collage.AdamW([torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
                              for _ in range(3)], strategy="stochastic", seed=seed)
         params = [p for g in opt.param_groups for p in g["params"]]
         for step in (1, 2, 3, 1000, 2**24 - 1, 2**24):
-            states = array("Q", [_mix_state(_MIX_START, seed, i) for i in range(len(params))])
+            states = array("Q", [mix_state(MIX_START, seed, i) for i in range(len(params))])
             table = array("q", [0] * (native.TABLE_COLUMNS * len(params)))
             lib.collage_stochastic_keys(len(params), table.buffer_info()[0],
                                         states.buffer_info()[0], step)
             for row, p in enumerate(params):
                 got = (table[row * native.TABLE_COLUMNS + native.COLUMN_KEY0],
                        table[row * native.TABLE_COLUMNS + native.COLUMN_KEY1])
-                assert got == fused.stochastic_key(opt, p, step), (seed, row, step)
+                position = opt._parameter_positions()[id(p)]
+                assert got == stochastic_key(opt.seed, position, step), (seed, row, step)
 
 
 def _new_seed(opt, params):

@@ -2,12 +2,13 @@
 called through ctypes.
 
 On CPU the native path runs these where they cover a group (:func:`covers`); ``build``
-compiles and caches the library, ``calls`` makes one call (the table of tensors, threads,
-the non-finite check), ``plan`` reuses a group's call from step to step, and ``path`` is
-the dispatch's entry. ``COLLAGE_NATIVE=0`` turns them off.
+compiles and loads the library, ``cache`` decides where it is cached and whether a cached
+file may be loaded (``docs/security.md``), ``calls`` makes one call (the table of tensors,
+threads, the non-finite check), ``plan`` reuses a group's call from step to step, and
+``path`` is the dispatch's entry. ``COLLAGE_NATIVE=0`` turns them off.
 """
 
-from .build import ABI, SOURCE, available, backend, info, load, loaded
+from .build import ABI, SOURCES, UNITS, available, backend, info, load, loaded
 from .calls import (
     COLUMN_GRAD,
     COLUMN_KEY0,
@@ -27,8 +28,9 @@ __all__ = [
     "COLUMN_KEY0",
     "COLUMN_KEY1",
     "FIELDS_COUNT",
-    "SOURCE",
+    "SOURCES",
     "TABLE_COLUMNS",
+    "UNITS",
     "adamw",
     "any_nonfinite",
     "available",

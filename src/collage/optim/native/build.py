@@ -1,16 +1,35 @@
-"""Building, caching and loading the native library (``native_adamw.c``).
+"""Building, caching and loading the native library.
 
-**Build.** The C source (shipped with the package) is compiled on first use with the
-system C compiler (``$CC``, else ``cc``, ``gcc``, ``clang``), ``-O3 -march=native
--ffp-contract=off -fopenmp -shared -fPIC``, without torch headers, into
+**Sources.** ``SOURCES``, shipped with the package, split by concern (``native.h`` maps
+them): ``native.h`` (layout, ABI, exported functions), ``rounding.h`` (bit helpers),
+``step.h`` and ``step_avx512.h`` (the per-element step, shared by the measured and
+unmeasured kernels), and three translation units, ``UNITS``: ``adamw.c`` (unmeasured entry
+points), ``measured.c`` (the measured one), ``support.c`` (the rest).
+
+**Build.** The units are compiled on first use with the system C compiler (``$CC``, else
+``cc``, ``gcc``, ``clang``) in one call, ``cc -O3 -march=native -ffp-contract=off -fopenmp
+-shared -fPIC -o lib.so adamw.c measured.c support.c -lm``, without torch headers, into
 ``$COLLAGE_CACHE_DIR/native/`` (default ``~/.cache/collage/native/``; ``$XDG_CACHE_HOME``
-is honoured). The file name is a hash of the source, the compiler's version, the flags and
+is honoured). One call with every unit, rather than one file that includes the others:
+each ``.c`` stays a translation unit that compiles on its own, and the command is the
+single-file one with three names. The step is ``static inline`` code in headers, so each
+entry point is compiled from the same code as when the library was one file: the generated
+code is the same, instruction for instruction. The file name is a hash of every source
+(units and headers: editing any of them rebuilds), the compiler's version, the flags and
 the machine (architecture and CPU flags), so a new compiler or CPU builds a new library and
 a cluster's shared home never loads another machine's code. The library is written to a
-temporary name and renamed (concurrent processes never load a partial file). The C file
-selects AVX-512 intrinsics where the target has them (``__AVX512F__``, BW, VL) and a
-portable scalar loop otherwise, so it builds on any machine; if ``-fopenmp`` or
-``-march=native`` is refused (or the OpenMP build does not load) the build retries without.
+temporary name and renamed (concurrent processes never load a partial file).
+
+**Trust** (``cache``, ``docs/security.md``). Native code is built in and loaded from a
+directory only if no other user can write it or a directory above it, and a cached library
+only if it and the record of its SHA-256 beside it are files of ours that no one else can
+write and its bytes still have that digest; otherwise one warning, and a rebuild (in the
+process's own ``mkdtemp`` directory where the cache itself is not private).
+
+**Instruction sets.** The sources select AVX-512 intrinsics where the target has them
+(``__AVX512F__``, BW, VL) and a portable scalar loop otherwise, so they build on any
+machine; if ``-fopenmp`` or ``-march=native`` is refused (or the OpenMP build does not load)
+the build retries without.
 
 **Fallback.** No compiler, a failed build or ``COLLAGE_NATIVE=0``: :func:`available` is
 False and the CPU paths use inductor's kernels (``fused=True``) or the eager ones; a failed
@@ -31,16 +50,23 @@ import platform
 import shlex
 import shutil
 import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
 
 import torch
 
-__all__ = ["available", "backend", "info", "loaded", "load", "ABI", "SOURCE"]
+from . import cache
 
-SOURCE = Path(__file__).with_name("native_adamw.c")
+__all__ = ["available", "backend", "info", "loaded", "load", "ABI", "SOURCES", "UNITS"]
+
+_HERE = Path(__file__).parent
+#: the translation units, compiled together in one call into one library
+UNITS = tuple(_HERE / name for name in ("adamw.c", "measured.c", "support.c"))
+#: every C source of the library, the units and the headers they include: the cache key
+#: hashes them all
+SOURCES = UNITS + tuple(_HERE / name for name in ("native.h", "rounding.h", "step.h",
+                                                  "step_avx512.h"))
 ABI = 5
 # in order of preference: OpenMP (torch's own runtime once loaded), without, portable
 _FLAGS = (("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"),
@@ -56,14 +82,6 @@ _info: dict = {}
 # ---------------------------------------------------------------------------------------
 # build and load
 # ---------------------------------------------------------------------------------------
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("COLLAGE_CACHE_DIR")
-    if root:
-        return Path(root) / "native"
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "collage" / "native"
 
 
 def _compiler() -> list[str] | None:
@@ -94,43 +112,54 @@ def _machine() -> str:
     return "\n".join(words)
 
 
+def _sources_digest() -> str:
+    """Each source's name and SHA-256, one per line: the part of the cache key that changes
+    when any unit or header does."""
+    return "\n".join(f"{path.name} {hashlib.sha256(path.read_bytes()).hexdigest()}"
+                     for path in SOURCES)
+
+
 def _build(cc: list[str], flag_sets=_FLAGS) -> tuple[Path, bool]:
     """(path of the library, whether it was compiled now) with the first of ``flag_sets``
-    that compiles; raises RuntimeError when none does."""
+    that compiles; raises RuntimeError when none does. A cached library is reused only where
+    ``cache`` trusts it: its directory, its file and its recorded SHA-256."""
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as error:
         raise RuntimeError(f"{cc[0]} --version failed: {error}") from None
-    source = SOURCE.read_bytes()
-    cache = _cache_dir()
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-    except OSError:  # read-only home: a per-user directory under the temporary one
-        cache = Path(tempfile.gettempdir()) / f"collage-native-{os.getuid()}"
-        cache.mkdir(parents=True, exist_ok=True)
+    sources = _sources_digest().encode()
+    directory = cache.build_dir()
     errors = []
     for flags in flag_sets:
-        key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
+        key = hashlib.sha256(b"\0".join([sources, version.encode(), " ".join(flags).encode(),
                                          _machine().encode()])).hexdigest()[:20]
-        target = cache / f"native_adamw-{key}.so"
-        if target.exists():
+        target = cache.trusted_target(directory / f"{cache.PREFIX}{key}.so")
+        if cache.unchanged(target):
             return target, False
-        fd, temporary = tempfile.mkstemp(prefix=".native_adamw-", suffix=".so", dir=cache)
-        os.close(fd)
         try:
-            done = subprocess.run([*cc, *flags, "-o", temporary, str(SOURCE), "-lm"],
-                                  capture_output=True, text=True, timeout=300)
-            if done.returncode == 0:
-                os.replace(temporary, target)
-                return target, True
-            errors.append(f"{' '.join(flags)}: {done.stderr.strip()[-500:]}")
-        except (OSError, subprocess.SubprocessError) as error:
-            errors.append(f"{' '.join(flags)}: {error}")
-        finally:
-            if os.path.exists(temporary):
-                os.unlink(temporary)
+            _compile(cc, flags, target)
+            return target, True
+        except RuntimeError as error:
+            errors.append(str(error))
     raise RuntimeError("compilation failed: " + " | ".join(errors))
+
+
+def _compile(cc: list[str], flags: tuple[str, ...], target: Path) -> None:
+    """Compile ``UNITS`` with ``flags`` into ``target`` (under a temporary name, then
+    ``cache.install``); a RuntimeError with the compiler's message where it fails."""
+    built = cache.new_file(target.parent)
+    try:
+        done = subprocess.run([*cc, *flags, "-o", str(built), *map(str, UNITS), "-lm"],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(flags)}: {done.stderr.strip()[-500:]}")
+        cache.install(built, target)
+    except (OSError, subprocess.SubprocessError) as error:
+        raise RuntimeError(f"{' '.join(flags)}: {error}") from None
+    finally:
+        if built.exists():
+            built.unlink()
 
 
 def load() -> ctypes.CDLL | None:
@@ -241,6 +270,7 @@ def _reset() -> None:
     with _lock:
         _lib, _tried = None, False
         _info.clear()
+        cache.reset()
 
 
 

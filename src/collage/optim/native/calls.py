@@ -32,7 +32,7 @@ lane on AVX-512, 256 consecutive elements in the portable build) and those parti
 in float64; counts exact. A pair's change (kahan, light, plus) is
 ``fl(fl(hi' - hi) + fl(lo' - lo))``: the TwoSum value wherever both differences are
 exact, and an exact zero test for every pair the optimizer produces (the proof is at
-``pair_change`` in the C file). The sums land in a float64 host array: no device
+``pair_change`` in step.h). The sums land in a float64 host array: no device
 synchronisation. A tensor split between threads gets one sum vector per range, added in
 float64 (partial sums regroup, within the same bound; counts are unchanged).
 """
@@ -55,15 +55,15 @@ __all__ = ["covers", "row_layout", "row_tensors", "adamw", "table_row", "argumen
            "call_threads", "advance_steps", "any_nonfinite", "TABLE_COLUMNS",
            "COLUMN_GRAD", "COLUMN_KEY0", "COLUMN_KEY1", "FIELDS_COUNT"]
 
-# flags of collage_adamw (native_adamw.c)
+# flags of collage_adamw (native.h: F_*)
 _LERP_SMALL, _DECAY, _SCALED, _MAXIMIZE, _GRAD_FP32 = 1, 2, 4, 8, 16
 # a thread gets at least this many elements (below, the pool's overhead dominates)
 _MIN_CHUNK = 1 << 16
-# int64 columns of a table row (native_adamw.c T_COLS): elements, weight, gradient, exp_avg,
+# int64 columns of a table row (native.h: T_COLS): elements, weight, gradient, exp_avg,
 # exp_avg_sq, exp_avg_sq_lo, extra, first index, key0, key1 (see table_row)
 TABLE_COLUMNS = 10
 COLUMN_GRAD, COLUMN_KEY0, COLUMN_KEY1 = 2, 8, 9
-# the lost-update sums of one tensor (len(collage.metrics.FIELDS); native_adamw.c M_COUNT)
+# the lost-update sums of one tensor (len(collage.metrics.FIELDS); native.h: M_COUNT)
 FIELDS_COUNT = 11
 
 _pool: ThreadPoolExecutor | None = None
@@ -196,7 +196,7 @@ def adamw(strategy: Strategy, coeffs: Mapping[str, float], rows: Sequence[tuple]
 
 
 def table_row(tensors: tuple, first: int, key0: int, key1: int) -> list[int]:
-    """One row of a call's table, the T_* columns of the C file: ``tensors`` from
+    """One row of a call's table, the T_* columns of native.h: ``tensors`` from
     :func:`row_tensors`, then the stochastic draws' first index and keys."""
     w, g, m, v, vlo, x = tensors
     return [w.numel(), w.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),

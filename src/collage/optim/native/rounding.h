@@ -1,0 +1,473 @@
+/* Bit helpers of the native kernels: float <-> bits, torch's bf16 rounding (nearest even
+ * and stochastic), the draws' 32-bit hash, split_encode / split_decode; on AVX-512 the same
+ * on 16 lanes, loads and stores of 16 lanes (masked tails), and the 32-element forms of the
+ * 32-wide path (even and odd elements in two vectors). Each scalar helper is the reference
+ * its vector form mirrors bit for bit. */
+
+#ifndef COLLAGE_ROUNDING_H
+#define COLLAGE_ROUNDING_H
+
+#include "native.h"
+
+/* ------------------------------------------------------------------------------------ */
+/* scalar helpers (the portable build, and the reference the vector code mirrors)        */
+/* ------------------------------------------------------------------------------------ */
+
+static inline float f_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t u_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bf_load(uint16_t h) { return f_of((uint32_t)h << 16); }
+static inline int finite_bits(uint32_t u) { return (u & 0x7F800000u) != 0x7F800000u; }
+
+/* torch's float -> bf16: nearest, ties to even, on the integer view; NaN -> 0xFFFF */
+static inline uint16_t bf_round(float x) {
+    uint32_t u = u_of(x);
+    if (x != x) return 0xFFFF;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* lowbias32 (C. Wellons): fused._mix32 on uint32 (wrapping multiplies, logical shifts) */
+#define MIX32_C1 0x7FEB352Du
+#define MIX32_C2 0x846CA68Bu
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= MIX32_C1;
+    x ^= x >> 15;
+    x *= MIX32_C2;
+    return x ^ (x >> 16);
+}
+
+/* fused.counter_uniform for one element: [0, 1) on a 2**-24 grid */
+static inline float uniform(uint32_t index, uint32_t key0, uint32_t key1) {
+    uint32_t h = mix32(mix32(index ^ key0) ^ key1);
+    return (float)((h >> 8) & 0xFFFFFFu) * 0x1p-24f;
+}
+
+/* rounding._stochastic_round_bf16, bit for bit */
+static inline uint16_t bf_stochastic(float x, float draw) {
+    float nearest = bf_load(bf_round(x));
+    float error = x - nearest; /* exact (Sterbenz) */
+    int finite = finite_bits(u_of(nearest));
+    uint32_t bits = finite ? u_of(nearest) : 0u;
+    int away = ((error > 0) == (nearest > 0)) || nearest == 0;
+    uint32_t step = away ? 0x10000u : 0xFFFF0000u;          /* +-1 bf16 ulp in magnitude */
+    uint32_t tiny = error < 0 ? 0x80010000u : 0x00010000u;  /* +-smallest subnormal */
+    float neighbour = f_of(nearest == 0 ? tiny : bits + step);
+    float spacing = fabsf(neighbour - nearest);
+    float probability = fabsf(error) / spacing;
+    int take = draw < probability && error != 0 && finite_bits(u_of(spacing)) && finite;
+    return (uint16_t)(u_of(take ? neighbour : nearest) >> 16);
+}
+
+/* rounding.split_decode / split_encode on uint32 (identical to their int32 forms) */
+static inline float split_decode(uint16_t weight, uint16_t low) {
+    uint32_t up = low > 0x8000u;
+    return f_of((((uint32_t)weight - up) << 16) | low);
+}
+
+static inline void split_encode(float master, uint16_t *weight, uint16_t *low) {
+    uint32_t u = u_of(master), l = u & 0xFFFFu;
+    *weight = (uint16_t)((u >> 16) + (l > 0x8000u));
+    *low = (uint16_t)l;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* AVX-512: the same on 16 lanes                                                          */
+/* ------------------------------------------------------------------------------------ */
+
+#if COLLAGE_AVX512
+
+/* The step's coefficients in registers (filled once per row by vector_range). Defined
+ * here because the 32-wide rounding reads its word permutation ``interleave``. */
+typedef struct {
+    __m512 lerp, beta2, omb2, bc2s, eps, neg_step, decay, lr_wd, scale;
+    __m512i sign;          /* 0x80000000 to negate the gradient (maximize), else 0 */
+    __m512i interleave;    /* v_round2: words [even 16 | odd 16] -> element order */
+    __mmask16 small, decays; /* all lanes or none: lerp weight < 0.5; decay != 1 */
+} vcoeffs;
+
+/* Loads and stores of 16 lanes; ``k`` selects the lanes of a tail. A constant full mask
+ * (the main loop) compiles to plain unmasked moves. */
+#define FULL(k) ((k) == (__mmask16)0xFFFF)
+
+static inline __attribute__((always_inline)) __m256i v_load16(const void *p, int64_t i,
+                                                              __mmask16 k) {
+    if (FULL(k)) return _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return _mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i);
+}
+
+static inline __attribute__((always_inline)) __m512 v_load_bf(const void *p, int64_t i,
+                                                              __mmask16 k) {
+    __m256i x = v_load16(p, i, k);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+static inline __attribute__((always_inline)) __m512 v_load_f32(const void *p, int64_t i,
+                                                               __mmask16 k) {
+    if (FULL(k)) return _mm512_loadu_ps((const float *)p + i);
+    return _mm512_maskz_loadu_ps(k, (const float *)p + i);
+}
+
+static inline __m512 v_widen(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* bf_round on 16 lanes: the 16-bit results in the low halves of the int32 lanes */
+static inline __m512i v_round32(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0xFFFF));
+}
+
+static inline __m256i v_narrow(__m512i r) { return _mm512_cvtepi32_epi16(r); }
+
+/* x rounded to bf16 (16 bits per lane), as bf_round. Without ``exact``, where the target
+ * has AVX512-BF16: vcvtneps2bf16, one instruction, which rounds to nearest even but treats
+ * subnormal inputs as zero and keeps NaN payloads; the lanes where that can differ (NaN,
+ * subnormal) are or-ed into ``bad`` and the caller redoes the block exactly (rare). A
+ * normal float32 never rounds to a subnormal bf16: the exponent ranges are the same. */
+static inline __attribute__((always_inline)) __m256i v_round(__m512 x, const int exact,
+                                                             __mmask16 *bad) {
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+    if (!exact) {
+        *bad |= _mm512_fpclass_ps_mask(x, 0x01 | 0x20 | 0x80); /* QNaN, subnormal, SNaN */
+        return (__m256i)_mm512_cvtneps_pbh(x);
+    }
+#else
+    (void)exact;
+    (void)bad;
+#endif
+    return v_narrow(v_round32(x));
+}
+
+static inline __mmask16 v_finite(__m512 x) {
+    __m512i e = _mm512_set1_epi32(0x7F800000);
+    return _mm512_cmpneq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(x), e), e);
+}
+
+static inline __attribute__((always_inline)) void v_store_bf(void *p, int64_t i,
+                                                             __mmask16 k, __m256i h) {
+    if (FULL(k)) _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), h);
+    else _mm256_mask_storeu_epi16((uint16_t *)p + i, k, h);
+}
+
+static inline __attribute__((always_inline)) void v_store_f32(void *p, int64_t i,
+                                                              __mmask16 k, __m512 x) {
+    if (FULL(k)) _mm512_storeu_ps((float *)p + i, x);
+    else _mm512_mask_storeu_ps((float *)p + i, k, x);
+}
+
+/* the low part of an MCF pair: fl(x - hi) where hi is finite, else +0 */
+static inline __attribute__((always_inline)) __m256i v_residual(
+    __m512 x, __m512 hi, const int exact, __mmask16 *bad) {
+    __m512 r = _mm512_maskz_mov_ps(v_finite(hi), _mm512_sub_ps(x, hi));
+    return v_round(r, exact, bad);
+}
+
+/* the lane numbers 0 .. 15, and the element offsets of a block of 32 split into its even
+ * and odd elements (the 32-wide path's pairs) */
+static inline __m512i v_lanes(void) {
+    return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+static inline __m512i v_even_offsets(void) { return _mm512_slli_epi32(v_lanes(), 1); }
+
+static inline __m512i v_odd_offsets(void) {
+    return _mm512_add_epi32(v_even_offsets(), _mm512_set1_epi32(1));
+}
+
+/* The vector hash computes only what bf16 stochastic rounding reads: the top 16 bits of
+ * fused.counter_uniform's 32-bit hash h = mix32(mix32(index ^ key0) ^ key1), where
+ * mix32(x) is x ^= x >> 16; x *= C1; x ^= x >> 15; x *= C2; x ^= x >> 16. Two of its
+ * xor-shifts drop out exactly:
+ *   the closing x ^= x >> 16 leaves the top 16 bits alone, so h >> 16 = z >> 16 for z
+ *   the second round's product by C2 (what these functions return);
+ *   between the rounds, with z1 the first round's product by C2 and K = key1, the second
+ *   round opens with w = y ^ (y >> 16), y = z1 ^ (z1 >> 16) ^ K; since logical shifts
+ *   distribute over xor and (z1 >> 16) >> 16 = 0, y >> 16 = (z1 >> 16) ^ (K >> 16) and
+ *   w = z1 ^ K ^ (K >> 16): one xor with a scalar instead of two xor-shifts and an xor. */
+
+/* mix32 from its product by C1 ``p`` to its product by C2 (before the closing xor-shift) */
+static inline __m512i v_mix32_middle(__m512i p) {
+    p = _mm512_xor_si512(p, _mm512_srli_epi32(p, 15));
+    return _mm512_mullo_epi32(p, _mm512_set1_epi32((int)MIX32_C2));
+}
+
+/* z (see above) from the first round's product by C1 ``p`` */
+static inline __m512i v_hash_rounds(__m512i p, int64_t key1) {
+    uint32_t k = (uint32_t)key1;
+    __m512i opening = _mm512_set1_epi32((int)(k ^ (k >> 16))); /* K ^ (K >> 16) */
+    __m512i w = _mm512_xor_si512(v_mix32_middle(p), opening);
+    return v_mix32_middle(_mm512_mullo_epi32(w, _mm512_set1_epi32((int)MIX32_C1)));
+}
+
+/* z of the elements ``first + offsets``: its top 16 bits are those of their hash */
+static inline __m512i v_hash_at(int64_t first, __m512i offsets, int64_t key0,
+                                int64_t key1) {
+    __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)first), offsets);
+    __m512i x = _mm512_xor_si512(index, _mm512_set1_epi32((int)(uint32_t)key0));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    return v_hash_rounds(_mm512_mullo_epi32(x, _mm512_set1_epi32((int)MIX32_C1)), key1);
+}
+
+/* v_hash_at of the 32 elements ``first + 0 .. 31``, even (``*he``) and odd (``*ho``)
+ * elements apart. Where ``first`` is a multiple of 32 (every block of a tensor that starts
+ * a row), the first round's multiply is a table lookup, exactly: the index is B ^ lane
+ * with B = first ^ key0 (the lane sets only bits that first leaves clear), the round's
+ * x ^ (x >> 16) is B1 ^ lane with B1 = B ^ (B >> 16) (lane >> 16 = 0), and with
+ * B1 = H + l (l its low 5 bits) B1 ^ lane = H + (l ^ lane), so that
+ * (B1 ^ lane) * C = H * C + T[l ^ lane] mod 2**32 with T[k] = k * C: one scalar multiply
+ * per block and a 32-entry permutation instead of a vector multiply per 16 elements. */
+static inline __attribute__((always_inline)) void v_hash2(int64_t first, int64_t key0,
+                                                          int64_t key1, __m512i *he,
+                                                          __m512i *ho) {
+    const __m512i even = v_even_offsets(), odd = v_odd_offsets();
+    if (((uint32_t)first & 31u) != 0) {
+        *he = v_hash_at(first, even, key0, key1);
+        *ho = v_hash_at(first, odd, key0, key1);
+        return;
+    }
+    const __m512i c1 = _mm512_set1_epi32((int)MIX32_C1);
+    const __m512i low_table = _mm512_mullo_epi32(v_lanes(), c1);
+    const __m512i high_table = _mm512_mullo_epi32(
+        _mm512_add_epi32(v_lanes(), _mm512_set1_epi32(16)), c1);
+    uint32_t b = (uint32_t)first ^ (uint32_t)key0;
+    b ^= b >> 16;
+    __m512i scaled = _mm512_set1_epi32((int)((b & ~31u) * MIX32_C1));
+    __m512i l = _mm512_set1_epi32((int)(b & 31u));
+    *he = v_hash_rounds(_mm512_add_epi32(scaled, _mm512_permutex2var_epi32(
+                                                     low_table, _mm512_xor_si512(l, even),
+                                                     high_table)), key1);
+    *ho = v_hash_rounds(_mm512_add_epi32(scaled, _mm512_permutex2var_epi32(
+                                                     low_table, _mm512_xor_si512(l, odd),
+                                                     high_table)), key1);
+}
+
+/* The 24-bit draw D of fused.counter_uniform (draw = D * 2**-24) of the elements
+ * ``first + 0 .. 15``, as the top 16 bits that bf16 stochastic rounding compares:
+ * D >> 8 = hash >> 16 (see v_stochastic32) */
+static inline __m512i v_draw16(int64_t first, int64_t key0, int64_t key1) {
+    return _mm512_srli_epi32(v_hash_at(first, v_lanes(), key0, key1), 16);
+}
+
+/* bf_stochastic on 16 lanes, bit for bit, in integer arithmetic: the 16-bit results in
+ * the low halves of the int32 lanes. Why it is the same: with t = |x|'s bits >> 16 (x
+ * truncated), L = its low 16 bits and d = the draw's top 16 bits, bf_stochastic's
+ * ``draw < |error| / spacing`` reads
+ *   nearest rounded down (t):   |error| / spacing = L / 2**16, so it steps up to t + 1
+ *                               iff D < 256 L iff d < L (256 L is a multiple of 256);
+ *   nearest rounded up (t + 1): |error| / spacing = (2**16 - L) / 2**16, so it steps down
+ *                               to t iff d < 2**16 - L, i.e. stays at t + 1 iff
+ *                               d + L >= 2**16;
+ * exact quotients: the error is exact (Sterbenz) and the spacing a power of two. bf16
+ * magnitudes that neighbour are neighbouring integers, across binades and subnormals
+ * alike, and round to nearest even went up iff L + 0x7FFF + (t & 1) carries into bit 16
+ * (bf_round). Infinities: x infinite or rounding to infinity keeps its nearest value, and a
+ * step up to infinity is not taken (bf_stochastic's spacing is then infinite); NaN gives
+ * 0xFFFF (bf_round). No float operation: nothing to redo for subnormal or NaN lanes. */
+static inline __attribute__((always_inline)) __m512i v_stochastic32(__m512 x, __m512i d) {
+    /* the decisions as 0/1 lanes of vector arithmetic and one ternary-logic select
+     * rather than mask-register logic (2-3 % faster on Zen 4, the same bits) */
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+    __m512i t = _mm512_srli_epi32(mag, 16);
+    __m512i low = _mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF));
+    /* all three below 2**17, so the shifts read the comparisons off exactly */
+    __m512i rounded_up = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(low, _mm512_set1_epi32(0x7FFF)),
+                         _mm512_and_si512(t, one)),
+        16);                                                                  /* bf_round */
+    __m512i up_from_down = _mm512_srli_epi32(_mm512_sub_epi32(d, low), 31);  /* d < L */
+    __m512i up_from_up = _mm512_srli_epi32(_mm512_add_epi32(d, low), 16);    /* d + L >= 2**16 */
+    /* rounded_up ? up_from_up : up_from_down, bitwise (0xCA: A ? B : C) */
+    __m512i up = _mm512_ternarylogic_epi32(rounded_up, up_from_up, up_from_down, 0xCA);
+    __m512i nearest = _mm512_add_epi32(t, rounded_up);
+    __m512i out = _mm512_add_epi32(t, up);
+    __mmask16 keep = _mm512_cmpge_epu32_mask(_mm512_max_epu32(nearest, out),
+                                             _mm512_set1_epi32(0x7F80));
+    out = _mm512_mask_mov_epi32(out, keep, nearest);
+    out = _mm512_or_si512(out, _mm512_srli_epi32(_mm512_andnot_si512(mag, bits), 16));
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32(0x7F800000));
+    return _mm512_mask_mov_epi32(out, nan, _mm512_set1_epi32(0xFFFF));
+}
+
+static inline __attribute__((always_inline)) __m256i v_stochastic(__m512 x, __m512i d) {
+    return v_narrow(v_stochastic32(x, d));
+}
+
+/* split_decode on 16 lanes of zero-extended words: (w - (low > 0x8000)) << 16 | low (the
+ * all-ones compare mask is -1) */
+static inline __m512 v_split_decode(__m512i w16, __m512i low16) {
+    __m512i up = _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(low16, _mm512_set1_epi32(0x8000)));
+    return _mm512_castsi512_ps(
+        _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(w16, up), 16), low16));
+}
+
+/* split_encode on 16 lanes: the weight word and the low bits, each in the low 16 bits of
+ * its int32 lane (the weight's upper bits may hold a carry; packing keeps 16 bits) */
+static inline void v_split_encode(__m512 master, __m512i *weight, __m512i *low) {
+    __m512i bits = _mm512_castps_si512(master);
+    *low = _mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF));
+    __m512i up = _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(*low, _mm512_set1_epi32(0x8000)));
+    *weight = _mm512_sub_epi32(_mm512_srli_epi32(bits, 16), up);
+}
+
+
+/* ------------------------------------------------------------------------------------ */
+/* 32 elements at a time: even and odd elements in two vectors                            */
+/* ------------------------------------------------------------------------------------ */
+
+/* Why: the element order within a step is free (every element's operations are its own),
+ * so one 64-byte load of 32 bf16 values is split into its even and odd elements with one
+ * operation each instead of a zero-extension and a shift per 16: the even words moved to
+ * the high halves of the int32 lanes (x << 16), the odd ones masked in place. Results are
+ * packed back in element order by a word blend (or, rounded in one vcvtne2ps2bf16, by a
+ * word permutation). The float32 operations of each element are those of vector_block,
+ * so the results are bit for bit the same. */
+typedef struct {
+    __m512 e, o; /* even and odd elements, float32 */
+} vpair;
+
+static inline vpair v_split(__m512i x) {
+    vpair p = {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
+               _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)))};
+    return p;
+}
+
+static inline __attribute__((always_inline)) vpair v_load_pair(const void *p, int64_t i) {
+    return v_split(_mm512_loadu_si512((const uint16_t *)p + i));
+}
+
+static inline __attribute__((always_inline)) void v_store_words(void *p, int64_t i,
+                                                                __m512i x) {
+    _mm512_storeu_si512((uint16_t *)p + i, x);
+}
+
+/* 16-bit results in the low halves of the int32 lanes of the even and odd elements, in
+ * element order (high halves ignored) */
+static inline __m512i v_pack(__m512i e, __m512i o) {
+    return _mm512_mask_blend_epi16((__mmask32)0xAAAAAAAAu, e, _mm512_slli_epi32(o, 16));
+}
+
+/* v_round of 32 elements, packed in element order */
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+/* 32 elements rounded by one vcvtne2ps2bf16, in element order: torch's rounding except on
+ * nan and subnormal lanes (it reads subnormals as zero), which the callers test for */
+static inline __attribute__((always_inline)) __m512i v_cvtne2(const vcoeffs *c, vpair x) {
+    /* words 0-15: the even elements, 16-31: the odd ones */
+    __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(x.o, x.e);
+    return _mm512_permutexvar_epi16(c->interleave, halves);
+}
+#endif
+
+static inline __attribute__((always_inline)) __m512i v_round2(const vcoeffs *c, vpair x,
+                                                              const int exact,
+                                                              __mmask16 *bad) {
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+    if (!exact) {
+        *bad |= _mm512_fpclass_ps_mask(x.e, 0x01 | 0x20 | 0x80)
+                | _mm512_fpclass_ps_mask(x.o, 0x01 | 0x20 | 0x80);
+        return v_cvtne2(c, x);
+    }
+#else
+    (void)c;
+    (void)exact;
+    (void)bad;
+#endif
+    return v_pack(v_round32(x.e), v_round32(x.o));
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+#define COLLAGE_UNMASKED_LOW_PARTS 1
+/* v_round2's fast rounding of 32 low parts computed without their mask "+0 where the high
+ * part is not finite". Where that mask acts, the unmasked low part is inf or nan (see
+ * v_residual2 and the kahan landing), so infinities join the classes whose blocks are
+ * redone exactly, with the mask; elsewhere the mask keeps every lane. Saves two compares
+ * and two masks per 32 elements. */
+static inline __attribute__((always_inline)) __m512i v_round2_unmasked(const vcoeffs *c,
+                                                                       vpair r,
+                                                                       __mmask16 *bad) {
+    const int classes = 0x01 | 0x08 | 0x10 | 0x20 | 0x80; /* nan, +-inf, subnormal */
+    *bad |= _mm512_fpclass_ps_mask(r.e, classes) | _mm512_fpclass_ps_mask(r.o, classes);
+    return v_cvtne2(c, r);
+}
+#else
+#define COLLAGE_UNMASKED_LOW_PARTS 0
+#endif
+
+/* v_round2 of the high part of a pair whose low part is computed next from the same x
+ * (v_residual2, kahan's compensation): on the fast path without v_round2's class test,
+ * which the low part's subsumes. Where x is nan, inf or subnormal, hi is nan, inf or +-0
+ * (vcvtne2ps2bf16 reads subnormals as zero), so the low part x - hi is nan, nan or x
+ * itself, and the block is redone exactly; a normal x never rounds to a subnormal bf16
+ * (the exponent ranges are the same). */
+static inline __attribute__((always_inline)) __m512i v_round2_high(const vcoeffs *c,
+                                                                   vpair x,
+                                                                   const int exact,
+                                                                   __mmask16 *bad) {
+#if COLLAGE_UNMASKED_LOW_PARTS
+    if (!exact) return v_cvtne2(c, x);
+#endif
+    return v_round2(c, x, exact, bad);
+}
+
+/* the low parts fl(x - hi) where hi is finite, else +0, of 32 elements, rounded and packed
+ * (hi: x rounded to bf16) */
+static inline __attribute__((always_inline)) __m512i v_residual2(const vcoeffs *c, vpair x,
+                                                                 vpair hi, const int exact,
+                                                                 __mmask16 *bad) {
+#if COLLAGE_UNMASKED_LOW_PARTS
+    /* hi = round(x) is finite wherever x is, but where x rounds to infinity, and there
+     * x - hi is infinite; where x is inf or nan, x - hi is nan */
+    if (!exact) {
+        vpair r = {_mm512_sub_ps(x.e, hi.e), _mm512_sub_ps(x.o, hi.o)};
+        return v_round2_unmasked(c, r, bad);
+    }
+#endif
+    vpair r = {_mm512_maskz_sub_ps(v_finite(hi.e), x.e, hi.e),
+               _mm512_maskz_sub_ps(v_finite(hi.o), x.o, hi.o)};
+    return v_round2(c, r, exact, bad);
+}
+
+/* v_stochastic32 of 32 elements (even and odd, with ``he``, ``ho`` of v_hash2, whose top
+ * 16 bits are the draws'), packed in element order: the same bits, in 16-bit lanes
+ * (AVX-512BW), so one instruction decides 32 elements instead of 16 and nothing is
+ * narrowed. With the notation of v_stochastic32 (H = x's high half with its sign, t = H's
+ * magnitude):
+ *   rounded up (bf_round's carry of L + 0x7FFF + (t & 1) into bit 16) is the top bit of
+ *   _mm512_avg_epu16(L, 0x7FFE | (H & 1)) = (L + 0x7FFE + (t & 1) + 1) >> 1, which avg
+ *   computes in 17 bits; shifted arithmetically, all ones where rounded up;
+ *   the result is t + up with up = (rounded up ? d + L >= 2**16 : d < L), and
+ *   d + L >= 2**16 iff L > 0xFFFF - d = ~d: so up iff L > (d ^ rounded_up_mask), one
+ *   unsigned comparison;
+ *   H + up is t + up with x's sign: t + 1 <= 0x7F7F carries nothing into the sign bit.
+ * That holds for t < 0x7F7F. Blocks with a lane at t >= 0x7F7F (the largest finite
+ * truncation, whose step may reach infinity, and infinities and NaNs) take v_stochastic32,
+ * which handles them (they do not occur in training but for diverging weights). */
+static inline __attribute__((always_inline)) __m512i v_stochastic2(vpair x, __m512i he,
+                                                                   __m512i ho) {
+    const __mmask32 odd = (__mmask32)0xAAAAAAAAu;
+    __m512i be = _mm512_castps_si512(x.e), bo = _mm512_castps_si512(x.o);
+    __m512i high = _mm512_mask_blend_epi16(odd, _mm512_srli_epi32(be, 16), bo);
+    __m512i low = _mm512_mask_blend_epi16(odd, be, _mm512_slli_epi32(bo, 16));
+    __m512i d = _mm512_mask_blend_epi16(odd, _mm512_srli_epi32(he, 16), ho);
+    /* (H & 1) | 0x7FFE: ternary logic 0xEA is (A & B) | C */
+    __m512i bias = _mm512_ternarylogic_epi32(high, _mm512_set1_epi16(1),
+                                             _mm512_set1_epi16(0x7FFE), 0xEA);
+    __m512i rounded_up = _mm512_srai_epi16(_mm512_avg_epu16(low, bias), 15);
+    __mmask32 up = _mm512_cmpgt_epu16_mask(low, _mm512_xor_si512(d, rounded_up));
+    __m512i out = _mm512_mask_add_epi16(high, up, high, _mm512_set1_epi16(1));
+    __mmask32 special = _mm512_cmpge_epu16_mask(
+        _mm512_and_si512(high, _mm512_set1_epi16(0x7FFF)), _mm512_set1_epi16(0x7F7F));
+    if (__builtin_expect(special != 0, 0))
+        return v_pack(v_stochastic32(x.e, _mm512_srli_epi32(he, 16)),
+                      v_stochastic32(x.o, _mm512_srli_epi32(ho, 16)));
+    return out;
+}
+
+#endif /* COLLAGE_AVX512 */
+
+#endif /* COLLAGE_ROUNDING_H */

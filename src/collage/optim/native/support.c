@@ -1,0 +1,134 @@
+/* Everything but the step: the build's identity (ABI, instruction set, OpenMP), the
+ * non-finite check of nonfinite="skip"/"raise", the native plans' step counters and draw
+ * keys, and a test hook for the kernels' stochastic rounding. */
+
+#include "native.h"
+#include "rounding.h"
+
+int collage_native_abi(void) { return COLLAGE_ABI; }
+int collage_native_isa(void) { return COLLAGE_AVX512; } /* 1: AVX-512, 0: portable */
+#ifdef _OPENMP
+int collage_native_openmp(void) { return 1; } /* collage_adamw_threads uses OpenMP */
+#else
+int collage_native_openmp(void) { return 0; }
+#endif
+
+/* ------------------------------------------------------------------------------------ */
+/* test hook: the kernels' bf16 stochastic rounding on its own                            */
+/* ------------------------------------------------------------------------------------ */
+
+/* out[j] = bf16 stochastic rounding of x[j] with the draw of element ``first + j``
+ * (fused.counter_uniform keyed by key0, key1): with ``pairs``, v_stochastic2 on whole
+ * blocks of 32 (the kernels' 32-wide path); v_stochastic on whole vectors of 16 (the
+ * 16-wide path); bf_stochastic on the tail (and everywhere in the portable build). For
+ * tests. */
+int collage_stochastic_round(const float *x, int64_t n, int64_t first, int64_t key0,
+                             int64_t key1, uint16_t *out, int pairs) {
+    int64_t j = 0;
+#if COLLAGE_AVX512
+    const __m512i even = v_even_offsets(), odd = v_odd_offsets();
+    for (; pairs && j + 32 <= n; j += 32) {
+        __m512 a = _mm512_loadu_ps(x + j), b = _mm512_loadu_ps(x + j + 16);
+        vpair v = {_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b)};
+        __m512i he, ho;
+        v_hash2(first + j, key0, key1, &he, &ho);
+        _mm512_storeu_si512(out + j, v_stochastic2(v, he, ho));
+    }
+    for (; j + 16 <= n; j += 16)
+        _mm256_storeu_si256((__m256i *)(out + j),
+                            v_stochastic(_mm512_loadu_ps(x + j), v_draw16(first + j, key0,
+                                                                            key1)));
+#else
+    (void)pairs; /* the portable build rounds every element on the scalar path */
+#endif
+    for (; j < n; j++)
+        out[j] = bf_stochastic(x[j], uniform((uint32_t)(first + j), (uint32_t)key0,
+                                             (uint32_t)key1));
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* step counters (collage.optim.native_plan)                                              */
+/* ------------------------------------------------------------------------------------ */
+
+/* The optimizer's per-parameter step counters, float32 scalars at the addresses
+ * ``steps[0 .. count)``: if every one holds ``expected``, each becomes ``expected + 1``
+ * and 0 is returned; otherwise nothing is written and 1 is returned (someone changed a
+ * counter: the caller takes its general path). float32 counts exactly up to 2**24, as
+ * torch's own counters do. One pass in C instead of a torch op per counter. */
+int collage_advance_steps(int64_t count, const int64_t *steps, float expected) {
+    for (int64_t t = 0; t < count; t++)
+        if (*(const float *)steps[t] != expected) return 1;
+    for (int64_t t = 0; t < count; t++) *(float *)steps[t] = expected + 1.0f;
+    return 0;
+}
+
+/* The stochastic draws' key words of every row of a plan's table (``count`` rows of
+ * T_COLS) at ``step``: fused.stochastic_key in C. ``states[t]``: base._mix's 64-bit state
+ * after the seed and row t's parameter position (kept by the plan); the step is mixed in
+ * with the same splitmix64 round, the result masked to 63 bits and split into key0 (the
+ * low 32 bits minus 2**31) and key1 (the next 31). About 3 us per tensor in Python. */
+void collage_stochastic_keys(int64_t count, int64_t *table, const uint64_t *states,
+                             int64_t step) {
+    for (int64_t t = 0; t < count; t++) {
+        uint64_t h = (states[t] ^ (uint64_t)step) * 0xBF58476D1CE4E5B9ull;
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EBull;
+        h ^= h >> 29;
+        h &= 0x7FFFFFFFFFFFFFFFull;
+        table[t * T_COLS + T_KEY0] = (int64_t)(h & 0xFFFFFFFFull) - ((int64_t)1 << 31);
+        table[t * T_COLS + T_KEY1] = (int64_t)((h >> 32) & 0x7FFFFFFFull);
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* the non-finite check of nonfinite="skip"/"raise": does any element overflow?          */
+/* ------------------------------------------------------------------------------------ */
+
+/* 1 if any of x[begin, end) is inf or nan: the exponent field all ones. Branch-free, so the
+ * compiler vectorises it; the whole span is read (no early exit: the verdict is rare). */
+static int span_nonfinite(const void *x, int wide, int64_t begin, int64_t end) {
+    unsigned bad = 0;
+    if (wide) {
+        const uint32_t *u = (const uint32_t *)x;
+        for (int64_t i = begin; i < end; i++) bad |= (u[i] & 0x7F800000u) == 0x7F800000u;
+    } else {
+        const uint16_t *h = (const uint16_t *)x;
+        for (int64_t i = begin; i < end; i++) bad |= (h[i] & 0x7F80u) == 0x7F80u;
+    }
+    return bad != 0;
+}
+
+/* Elements [lo, hi) of the tensors laid end to end (``table``: pointer, length pairs). */
+static int pieces_nonfinite(int wide, int64_t count, const int64_t *table, int64_t lo,
+                            int64_t hi) {
+    int bad = 0;
+    int64_t base = 0;
+    for (int64_t t = 0; t < count && base < hi; t++) {
+        int64_t n = table[2 * t + 1];
+        int64_t begin = lo > base ? lo - base : 0, end = hi - base < n ? hi - base : n;
+        if (begin < end) bad |= span_nonfinite((const void *)table[2 * t], wide, begin, end);
+        base += n;
+    }
+    return bad;
+}
+
+/* 1 if any element of ``count`` tensors (``table``: data pointer and element count pairs;
+ * float32 when ``wide``, else bf16) is inf or nan, else 0; on up to ``threads`` threads. */
+int collage_nonfinite(int wide, int64_t count, const int64_t *table, int threads) {
+    int64_t total = 0;
+    for (int64_t t = 0; t < count; t++) total += table[2 * t + 1];
+#ifdef _OPENMP
+    int64_t parts = thread_parts(total, threads);
+    int bad = 0;
+    if (parts > 1) {
+#pragma omp parallel for num_threads((int)parts) schedule(static, 1) reduction(| : bad)
+        for (int64_t p = 0; p < parts; p++)
+            bad |= pieces_nonfinite(wide, count, table, total * p / parts,
+                                    total * (p + 1) / parts);
+        return bad;
+    }
+#else
+    (void)threads; /* one thread without OpenMP */
+#endif
+    return pieces_nonfinite(wide, count, table, 0, total);
+}
