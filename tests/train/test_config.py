@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 import collage
-from collage.cli import UsageError
+from collage.errors import UsageError
 from collage.train.config import (
     PRESETS,
     Config,

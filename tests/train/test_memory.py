@@ -10,7 +10,7 @@ from collage.train.config import ModelConfig
 from collage.train.data import VOCAB_SIZE
 from collage.train.memory import bytes_per_param, memory_table, persistent_bytes
 from collage.train.models import build_model
-from collage.train.runner import param_groups, weight_dtype
+from collage.train.build import param_groups, weight_dtype
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cli import UsageError
+from ..errors import UsageError
+from ..optim import AdamW
 from . import common
 from .common import BYTES, DEFAULT_SIZES, SIZES
 
@@ -68,13 +69,11 @@ class Candidate:
 
 
 def _collage(strategy: str, path: str, nonfinite: str = "ignore"):
-    import collage
-
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True},
              "reference": {"foreach": False}}[path]
 
     def make(params):
-        opt = collage.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+        opt = AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                             strategy=strategy, nonfinite=nonfinite, **flags)
 
         def step():
@@ -369,7 +368,7 @@ out = {}
 for strategy in sys.argv[1].split(","):
     dtype = torch.float32 if strategy == "fp32" else torch.bfloat16
     params = _params(gpt_shapes("small"), dtype, torch.device("cpu"), seed=0)
-    opt = collage.AdamW(params, strategy=strategy, fused=True, nonfinite="ignore")
+    opt = AdamW(params, strategy=strategy, fused=True, nonfinite="ignore")
     t = time.perf_counter(); opt.step(); first = time.perf_counter() - t
     t = time.perf_counter(); opt.step(); second = time.perf_counter() - t
     out[strategy] = {"first_step_s": first, "second_step_s": second}

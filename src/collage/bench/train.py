@@ -48,7 +48,13 @@ import time
 
 import torch
 
-from ..cli import UsageError
+from ..errors import UsageError
+from ..optim import AdamW
+from ..train.config import PRESETS, get_preset
+from ..train.data import VOCAB_SIZE
+from ..train.losses import cross_entropy
+from ..train.memory import TensorMemoryProbe, persistent_bytes
+from ..train.models import build_model
 from . import common
 
 __all__ = ["register", "run", "MODES"]
@@ -60,8 +66,6 @@ MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "context", "checkpoint_activati
 
 
 def _model_config(preset: str, overrides: dict):
-    from ..train.config import get_preset
-
     config = get_preset(preset)
     model = dataclasses.replace(config.model, family="gpt", dropout=0.0,
                                 **{k: v for k, v in overrides.items() if v is not None})
@@ -100,14 +104,12 @@ class _PeakRSS:
 
 
 def _optimizer(mode: str, model: torch.nn.Module, lr: float):
-    import collage
-
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
     if mode in ("fp32", "autocast"):
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    return collage.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, strategy=mode,
+    return AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, strategy=mode,
                          fused=True)
 
 
@@ -116,9 +118,6 @@ class _Trainer:
     learning rate each, as a schedule does) and returns its seconds."""
 
     def __init__(self, mode: str, model_cfg, batch: int, seed: int) -> None:
-        from ..train.data import VOCAB_SIZE
-        from ..train.models import build_model
-
         self.mode, self.batch, self.context = mode, batch, model_cfg.context
         self.vocab = VOCAB_SIZE
         self.model = build_model(model_cfg, VOCAB_SIZE, seed=seed)
@@ -130,8 +129,6 @@ class _Trainer:
         self.index = 0
 
     def step(self) -> float:
-        from ..train.losses import cross_entropy
-
         tokens = torch.randint(0, self.vocab, (self.batch, self.context + 1),
                                generator=self.generator)
         x, y = tokens[:, :-1], tokens[:, 1:]
@@ -162,8 +159,6 @@ def worker(spec: dict) -> dict:
     """Memory of one mode, in this process (a fresh interpreter, see :func:`run`): after
     ``warmup`` steps (at least one: the optimizer's states exist), one step under a
     :class:`TensorMemoryProbe` (the peak bytes held by tensors, by the allocator)."""
-    from ..train.memory import TensorMemoryProbe, persistent_bytes
-
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     mode = spec["mode"]
@@ -371,8 +366,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise UsageError(f"--modes: unknown mode {mode!r}; valid: {', '.join(MODES)}")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise UsageError("--steps and --rounds must be at least 1 and --warmup at least 0")
-    from ..train.config import PRESETS
-
     if args.preset not in PRESETS:
         raise UsageError(f"--preset: unknown preset {args.preset!r}; valid: "
                          + ", ".join(PRESETS))

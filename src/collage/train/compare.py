@@ -27,9 +27,10 @@ import collage
 
 from .config import Config
 from .memory import ROLES, bytes_per_param
-from .runner import initial_weights, state_checksum, train_strategy
+from .build import initial_weights, state_checksum
+from .runner import train_strategy
 
-__all__ = ["compare", "environment", "write_outputs", "CSV_FIELDS"]
+__all__ = ["compare", "environment", "write_outputs", "write_json", "CSV_FIELDS"]
 
 CSV_FIELDS = (
     "label", "strategy", "beta2", "final_val_loss", "final_val_ppl", "val_loss_vs_fp32",
@@ -260,9 +261,9 @@ def write_outputs(config: Config, results: list[dict[str, Any]], out_dir: str, *
     env = environment(config.run.device)
     settings = {"config": config.to_dict(), "environment": env, "wall_time_s": wall_time_s,
                 "command": "collage " + " ".join(sys.argv[1:]) if sys.argv else ""}
-    _write_json(os.path.join(out_dir, "results.json"), records)
-    _write_json(os.path.join(out_dir, "config.json"), settings)
-    _write_json(os.path.join(out_dir, "history.json"),
+    write_json(os.path.join(out_dir, "results.json"), records)
+    write_json(os.path.join(out_dir, "config.json"), settings)
+    write_json(os.path.join(out_dir, "history.json"),
                 {r["summary"]["label"]: r["history"] for r in results})
     with open(os.path.join(out_dir, "results.csv"), "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS, extrasaction="ignore")
@@ -280,7 +281,8 @@ def _csv_value(value: Any) -> Any:
     return "" if value is None else value
 
 
-def _write_json(path: str, obj: Any) -> None:
+def write_json(path: str, obj: Any) -> None:
+    """``obj`` as indented JSON, non-finite floats as null."""
     with open(path, "w") as handle:
         json.dump(_finite_or_none(obj), handle, indent=1)
         handle.write("\n")

@@ -3,7 +3,7 @@
 Every field is a command-line flag whose help text is the field's ``help`` metadata; a preset
 (a plain function returning a :class:`Config`) sets the starting values and explicit flags
 override it. Validation happens in ``__post_init__`` and raises
-:class:`collage.cli.UsageError` with one line naming the flag and the fix.
+:class:`collage.errors.UsageError` with one line naming the flag and the fix.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cli import UsageError
-from .models import FAMILIES
+from ..errors import UsageError
+from ..optim import STRATEGIES
 
 __all__ = [
     "Config",
@@ -33,11 +33,13 @@ __all__ = [
     "strategies",
 ]
 
+#: The model families of ``collage.train.models`` (which builds each from a ModelConfig).
+FAMILIES = ("gpt", "llama", "bert")
 SCHEDULES = ("constant", "cosine", "linear")
 DEVICES = ("cpu", "cuda", "auto")
 
 
-#: Baselines that are not collage strategies, run by name (``runner.make_optimizer``).
+#: Baselines that are not collage strategies, run by name (``build.make_optimizer``).
 BASELINES = ("torchao-adamw8bit",)
 #: What ``collage compare`` runs without ``--strategies`` (the committed reports' set); the
 #: 8-bit strategies and the baselines are opt-in.
@@ -46,9 +48,7 @@ DEFAULT_COMPARE = ("fp32", "mixed", "bf16", "kahan", "stochastic", "light", "plu
 
 def strategies() -> tuple[str, ...]:
     """Every name the harness accepts: ``collage.STRATEGIES`` and :data:`BASELINES`."""
-    import collage
-
-    return tuple(collage.STRATEGIES) + BASELINES
+    return tuple(STRATEGIES) + BASELINES
 
 
 def _opt(default: Any, help: str, *, flag: str | None = None, commands: tuple[str, ...] = (),
