@@ -16,10 +16,9 @@ from collage.train.config import (
     ModelConfig,
     OptimConfig,
     RunConfig,
-    add_config_flags,
-    config_from_args,
     get_preset,
 )
+from collage.train.flags import add_config_flags, config_from_args
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -17,9 +17,10 @@ from ..optim import consolidate
 from .build import resolve_device
 from .checkpoint import save_atomic
 from .compare import compare, write_json
-from .config import Config, add_config_flags, config_from_args, strategies
+from .config import Config, strategies
 from .data import VOCAB_SIZE, load_corpus, make_batches
 from .distributed import launch, teardown, under_launcher
+from .flags import add_config_flags, config_from_args
 from .memory import GRAD_DTYPES, bytes_per_param, memory_table
 from .models import build_model, is_causal
 from .runner import train_strategy
