@@ -15,8 +15,8 @@ Speed: ``--rounds`` fresh processes (default 3), each holding every mode's model
 optimizer side by side and stepping them interleaved: ``warmup`` untimed steps each, then
 ``steps`` timed steps each (step k of every mode, the order rotated by k and by round), on
 random tokens with a learning rate that changes every step (as a schedule does). Why
-interleaved: this shared machine's speed drifts by 10-20 % between processes, more than
-the differences measured, so modes timed in separate processes compared the machine's
+interleaved: a shared machine's speed drifts between processes by more than the
+differences measured, so modes timed in separate processes compared the machine's
 moods; steps of different modes taken moments apart share them. Tokens/s is the median
 over every timed step (forward, backward, optimizer step, zero_grad); the ratio to
 autocast the median over the steps of autocast's time at the same round and index over the
@@ -49,7 +49,7 @@ import time
 import torch
 
 from ..errors import UsageError
-from ..optim import AdamW
+from ..optim import AdamW, get_strategy
 from ..train.config import PRESETS, get_preset
 from ..train.data import VOCAB_SIZE
 from ..train.losses import cross_entropy
@@ -60,7 +60,9 @@ from . import common
 __all__ = ["register", "run", "MODES"]
 
 STRATEGIES = ("mixed", "bf16", "kahan", "stochastic", "light", "plus", "split")
-MODES = ("fp32", "autocast") + STRATEGIES
+#: modes that train float32 weights with torch.optim.AdamW (fused), not a collage strategy
+TORCH_MODES = ("fp32", "autocast")
+MODES = TORCH_MODES + STRATEGIES
 MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "context", "checkpoint_activations",
                "recompute_mlp")
 
@@ -107,7 +109,7 @@ def _optimizer(mode: str, model: torch.nn.Module, lr: float):
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
-    if mode in ("fp32", "autocast"):
+    if mode in TORCH_MODES:
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
     return AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, strategy=mode,
                          fused=True)
@@ -121,8 +123,8 @@ class _Trainer:
         self.mode, self.batch, self.context = mode, batch, model_cfg.context
         self.vocab = VOCAB_SIZE
         self.model = build_model(model_cfg, VOCAB_SIZE, seed=seed)
-        if mode not in ("fp32", "autocast"):
-            self.model = self.model.to(torch.bfloat16)
+        if mode not in TORCH_MODES:  # the strategy's weight dtype (bf16; mixed: its copy)
+            self.model = self.model.to(get_strategy(mode).weight_dtypes[0])
         self.lr = 1e-3
         self.optimizer = _optimizer(mode, self.model, self.lr)
         self.generator = torch.Generator().manual_seed(seed)

@@ -347,13 +347,14 @@ SECTIONS: dict[str, type] = {
 
 
 def quick() -> Config:
-    """Tiny GPT, byte level, 400 steps at beta2 = 0.999: every strategy in under 3 minutes
-    on 2 CPU cores (the dataclass defaults are exactly this preset)."""
+    """Tiny GPT, byte level, 400 steps at beta2 = 0.999: small enough to train every
+    strategy on a laptop's CPU (its wall time: ``docs/reports/quick/report.md``); the
+    dataclass defaults are exactly this preset."""
     return Config(preset="quick")
 
 
 def micro() -> Config:
-    """A few steps of a very small GPT: for tests and smoke runs (seconds)."""
+    """A few steps of a very small GPT: for tests and smoke runs."""
     return Config(
         model=ModelConfig(d_model=32, n_layers=1, n_heads=2, context=32),
         data=DataConfig(batch_size=4, max_bytes=100_000),

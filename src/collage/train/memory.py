@@ -329,7 +329,7 @@ class TensorMemoryProbe:
     CUDA: ``torch.cuda.max_memory_allocated`` (the caching allocator's own statistic).
     CPU: torch keeps no allocator statistic, but its profiler records every allocation and
     free of the CPU allocator with its size; the probe profiles the window (memory events
-    only: one step costs a few ms more) and replays the events in time order on top of
+    only, to keep the profiler's own cost small) and replays the events in time order on top of
     ``base_bytes``, the exact bytes of the tensors alive when the window opens (the caller
     passes :func:`persistent_bytes`: weights, optimizer states, buffers). Tensors that exist
     before the window and are not in ``base_bytes`` (the data set, a float32 copy of the
