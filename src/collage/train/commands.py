@@ -21,7 +21,7 @@ from .config import Config, strategies
 from .data import VOCAB_SIZE, load_corpus, make_batches
 from .distributed import launch, teardown, under_launcher
 from .flags import add_config_flags, config_from_args
-from .memory import GRAD_DTYPES, bytes_per_param, memory_table
+from .memory import COMPARED_WITH, GRAD_DTYPES, bytes_per_param, memory_table
 from .models import build_model, is_causal
 from .runner import train_strategy
 
@@ -215,7 +215,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     if args.grad_dtype not in GRAD_DTYPES:
         raise UsageError(f"--grad-dtype: expected bf16 or fp32, got {args.grad_dtype!r}")
     if args.json:
-        mixed = bytes_per_param("mixed", args.grad_dtype).total * n
+        mixed = bytes_per_param(COMPARED_WITH, args.grad_dtype).total * n
         rows: list[dict[str, Any]] = []
         for name in chosen:
             b = bytes_per_param(name, args.grad_dtype)

@@ -65,6 +65,8 @@ __all__ = [
 ]
 
 GRAD_DTYPES = ("bf16", "fp32")
+#: The strategy ``collage memory`` states every total against (the usual mixed precision).
+COMPARED_WITH = "mixed"
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ def bytes_per_param(strategy: str, grad_dtype: str = "bf16") -> BytesPerParam:
 
 def memory_table(n_params: float, strategies: Iterable[str], grad_dtype: str = "bf16") -> str:
     """A plain-text table of bytes per parameter and totals for ``n_params`` parameters."""
-    baseline = bytes_per_param("mixed", grad_dtype).total * n_params
+    baseline = bytes_per_param(COMPARED_WITH, grad_dtype).total * n_params
     strategies = list(strategies)
     width = max([11] + [len(name) for name in strategies])
     header = (f"{'strategy':<{width}} {'weights':>7} {'grads':>5} {'states':>6} {'comp':>4} "
