@@ -6,12 +6,13 @@ paths. The issue's target: a measured fused step costs at most 1.5x an unmeasure
 
 On CPU the fused rows compare the native kernels with themselves: the unmeasured native
 step (``collage_adamw``) and the native measured step (``collage_adamw_measured``); each
-row records the backend both optimizers ran (``native``, or ``inductor`` where the native
-kernels are unavailable or do not cover the strategy). ``--backend inductor`` switches the
-native kernels off to measure the inductor kernels instead.
+row records the path both optimizers ran (``optimizer.last_paths``: ``native``, or
+``compiled`` where the native kernels are unavailable or do not cover the strategy).
+``--backend compiled`` switches the native kernels off to measure the compiled (inductor)
+kernels instead.
 
 Usage: ``python benchmarks/bench_metrics.py [--numel 4000000] [--repeats 15]
-[--strategies ...] [--paths fused foreach] [--backend native|inductor] [--threads 1]
+[--strategies ...] [--paths fused foreach] [--backend native|compiled] [--threads 1]
 [--json PATH]``
 """
 
@@ -27,7 +28,7 @@ import time
 import torch
 
 import collage
-from collage.optim import native
+from collage.optim import get_strategy, native
 
 
 _STRATEGIES = ("fp32", "bf16", "stochastic", "mixed", "split", "kahan", "light", "plus")
@@ -44,7 +45,7 @@ def _params(numel: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
 
 
 def _make(strategy: str, path: dict, track: bool, numel: int) -> collage.AdamW:
-    dtype = torch.float32 if strategy == "fp32" else torch.bfloat16
+    dtype = get_strategy(strategy).weight_dtypes[0]
     params = _params(numel, dtype)
     opt = collage.AdamW([(f"p{i}", p) for i, p in enumerate(params)], lr=1e-3,
                         strategy=strategy, track_updates=track, **path)
@@ -75,7 +76,12 @@ def _time_pair(strategy: str, path: dict, numel: int, repeats: int) -> dict:
     return {"untracked_ms": statistics.median(off) * 1e3, "tracked_ms": statistics.median(on) * 1e3,
             "untracked_p90_ms": _p90(off) * 1e3, "tracked_p90_ms": _p90(on) * 1e3,
             "ratio": statistics.median(ratios), "ratio_p90": _p90(ratios),
-            "backend_untracked": plain._fused_backend, "backend_tracked": measured._fused_backend}
+            "backend_untracked": _path_ran(plain), "backend_tracked": _path_ran(measured)}
+
+
+def _path_ran(opt: collage.AdamW) -> str:
+    """The path(s) the optimizer's last step ran."""
+    return "+".join(dict.fromkeys(opt.last_paths.values()))
 
 
 def _cpu() -> str:
@@ -103,11 +109,12 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: OpenMP waits badly on a loaded 2-core machine)")
-    parser.add_argument("--backend", choices=("native", "inductor"), default="native",
-                        help="CPU fused kernels: native C (default) or inductor (native off)")
+    parser.add_argument("--backend", choices=("native", "compiled"), default="native",
+                        help="CPU fused kernels: native C (default) or compiled (inductor; "
+                             "native off)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.backend == "inductor":
+    if args.backend == "compiled":
         native.covers = lambda *a, **k: False  # this process only
     rows = []
     for strategy in args.strategies:

@@ -28,7 +28,7 @@ import torch
 
 import collage
 from collage.bench.common import SIZES, gpt_shapes
-from collage.bench.optimizer import _params  # what `collage bench optimizer` steps
+from collage.bench.measure import make_params  # what `collage bench optimizer` steps
 
 
 def _variants(size: str, strategy: str):
@@ -44,7 +44,7 @@ def _variants(size: str, strategy: str):
     for name, fn, nonfinite in (("torch clip", torch_clip, "skip"),
                                 ("opt.clip_grad_norm_", our_clip, "skip"),
                                 ("no check", torch_clip, "ignore")):
-        params = _params(gpt_shapes(size), torch.bfloat16, torch.device("cpu"), seed=0)
+        params = make_params(gpt_shapes(size), torch.bfloat16, torch.device("cpu"), seed=0)
         opt = collage.AdamW(params, lr=1e-3, strategy=strategy, fused=True,
                             nonfinite=nonfinite)
         out[name] = (fn, params, opt)

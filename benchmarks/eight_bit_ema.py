@@ -36,7 +36,8 @@ import torch
 import collage
 
 import collage.train.runner as runner
-from collage.optim import get_strategy, kernels
+from collage.optim import get_strategy
+from collage.optim.rules import ADAMW
 from collage.train.config import get_preset
 
 STRATEGIES = ("plus8", "torchao-adamw8bit", "plus", "bf16", "mixed")
@@ -49,7 +50,7 @@ def second_moment(optimizer, param) -> torch.Tensor:
         return torch.zeros(param.shape, dtype=torch.float64)
     if isinstance(optimizer, collage.AdamW):
         strategy = get_strategy(optimizer.param_groups[0]["strategy"])
-        return kernels.moment_value(strategy, state, "exp_avg_sq")
+        return strategy.moment_value(ADAMW, state, "exp_avg_sq")
     value = state["exp_avg_sq"]
     if hasattr(value, "dequantize"):  # torchao's OptimState8bit
         value = value.dequantize()

@@ -68,8 +68,8 @@ class ByteMLP(nn.Module):
 
 def build(seed: int, strategy: str):
     torch.manual_seed(seed)
-    dtype = torch.float32 if strategy == "fp32" else torch.bfloat16
-    model = ByteMLP().to(dtype)
+    # the weight dtype the strategy trains in: float32 for fp32, bfloat16 for the others
+    model = ByteMLP().to(collage.optim.get_strategy(strategy).weight_dtypes[0])
     optimizer = collage.AdamW(collage.integrations.param_groups(model, 0.1), lr=3e-3,
                               strategy=strategy)
     return model, optimizer

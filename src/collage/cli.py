@@ -1,28 +1,25 @@
 """The ``collage`` command line.
 
 Subcommands live next to the code they drive; each such module exposes
-``register(subparsers)`` which adds its parsers and sets ``func`` on them. Errors that a user
-can fix (bad flags, unreadable files, impossible sizes) are printed as one line, with exit 2.
+``register(subparsers)`` which adds its parsers and sets ``func`` on them. This module sits
+on top of them: it imports them, never the reverse. Errors that a user can fix (bad flags,
+unreadable files, impossible sizes: :class:`collage.errors.UsageError`) are printed as one
+line, with exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
 
 from . import __version__
+from .bench import register as register_bench
+from .errors import UsageError
+from .train.commands import register as register_train
 
-# Modules that add subcommands; each has register(subparsers).
-SUBCOMMAND_MODULES = (
-    "collage.train.commands",
-    "collage.bench",
-)
-
-
-class UsageError(Exception):
-    """A mistake in the user's input: printed as one line, exit status 2, no traceback."""
+#: What adds the subcommands, in the order of ``collage --help``.
+REGISTRARS = (register_train, register_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,14 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"collage {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as error:
-            if error.name != name:  # a real missing dependency inside the module
-                raise
-            continue
-        module.register(subparsers)
+    for register in REGISTRARS:
+        register(subparsers)
     return parser
 
 

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .optim import AdamW, get_strategy
+
 __all__ = [
     "NO_DECAY_PATTERNS",
     "adamw_for_trainer",
@@ -128,8 +130,6 @@ def param_groups(
     ``track_updates`` metrics then name each parameter.
     """
     if no_decay_strategy is not None:
-        from .optim.strategies import get_strategy
-
         get_strategy(no_decay_strategy)  # a clear error now rather than at construction
     decay_names = set(decay_parameter_names(model, no_decay, norm_types))
     decay: list = []
@@ -170,8 +170,6 @@ def adamw_for_trainer(model: nn.Module, args: Any, *, strategy: str = "plus",
     bf16 autocast, which changes nothing for a bf16 model, so keep it False (see
     ``docs/integrations.md``).
     """
-    from .optim import AdamW
-
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
     if getattr(args, "fp16", False) and torch.bfloat16 in dtypes:
         raise ValueError("TrainingArguments(fp16=True) with bfloat16 weights: float16 autocast "

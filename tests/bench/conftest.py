@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from collage.optim import native
+
 
 @pytest.fixture(autouse=True)
 def _single_thread():
@@ -18,7 +20,6 @@ def _single_thread():
 
 @pytest.fixture
 def inductor_only(monkeypatch):
-    """The fused path with inductor kernels on CPU too (not collage.optim.native's)."""
-    from collage.optim import native
-
+    """The fused path with compiled (inductor) kernels on CPU too (not
+    collage.optim.native's)."""
     monkeypatch.setattr(native, "covers", lambda *args, **kwargs: False)

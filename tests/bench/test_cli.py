@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from collage.bench import common
+from collage.bench import candidates, common, measure
 from collage.cli import main
-from collage.optim import fused
+from collage.optim import compiled
 
-needs_compiler = pytest.mark.skipif(not fused.available(), reason="no C++ compiler")
+needs_compiler = pytest.mark.skipif(not compiled.available(), reason="no C++ compiler")
 
 
 @needs_compiler
@@ -34,7 +34,30 @@ def test_bench_optimizer_small_json(capsys):
         assert row["bytes_per_param"] == common.BYTES[row["key"].split(":")[1]
                                                       if ":" in row["key"] else
                                                       row["key"]].total
-    assert result["environment"]["torch"] and "checks" in result
+    rows = {r["key"]: r for r in block["rows"]}
+    # every collage row says the path that ran (optimizer.last_paths): the one asked for
+    assert rows["collage:plus:foreach"]["backend"] == "foreach"
+    fused = rows["collage:plus:fused"]
+    assert fused["backend"] in ("native", "compiled")
+    assert fused["label"] == f"collage plus (fused, {fused['backend']})"
+    assert rows["torch-foreach-bf16"].get("backend") is None
+    assert result["environment"]["torch"] and "checks" not in result
+
+
+def test_bench_optimizer_slow_paths(capsys):
+    """``reference`` rows run ``reference=True`` (not for fp32, whose reference is the
+    float32 kernel), ``per_tensor`` rows ``foreach=False``: each row's path is the one it
+    names."""
+    code = main(["bench", "optimizer", "--size", "small", "--repeats", "1", "--json",
+                 "--strategies", "fp32,stochastic", "--paths", "per_tensor,reference",
+                 "--baselines", "", "--warmup", "1", "--slow-repeats", "1",
+                 "--min-time", "0"])
+    assert code == 0
+    (block,) = json.loads(capsys.readouterr().out)["sizes"]
+    paths = {r["key"]: r["backend"] for r in block["rows"] if r["key"].startswith("collage")}
+    assert paths == {"collage:fp32:per_tensor": "per_tensor",
+                     "collage:stochastic:per_tensor": "per_tensor",
+                     "collage:stochastic:reference": "reference"}
 
 
 def test_bench_optimizer_rejects_unknown_strategy(capsys):
@@ -46,6 +69,10 @@ def test_byte_counts():
     b = common.BYTES
     assert b["torch-fused-fp32"].total == 28
     assert (b["light"].total, b["plus"].total, b["bf16"].total) == (18, 22, 14)
+    assert (b["fp32"].total, b["mixed"].total, b["kahan"].total, b["split"].total) == (
+        28, 28, 18, 22)
+    assert (b["mixed"].read, b["mixed"].write) == (14, 14)  # its bf16 copy: written only
+    assert b["plus8"].total == 2 * (2 + 2 + 1 + 1 + 1 + 8 / 128) + 2  # + the bf16 gradient
     # the issue's ideal speed-ups over torch's fused fp32 AdamW
     assert round(28 / b["light"].total, 2) == 1.56 and round(28 / b["plus"].total, 2) == 1.27
 
@@ -129,27 +156,24 @@ def _late_params():
 @pytest.mark.parametrize("maker", ["torch", "collage", "optimi"])
 def test_start_step_sets_every_step_counter(maker):
     """--start-step: the next step of every optimizer kind is step N + 1."""
-    from collage.bench import optimizer as bench
-
     if maker == "optimi":
         pytest.importorskip("optimi")
-    make = {"torch": bench._torch(False), "collage": bench._collage("plus", "foreach"),
-            "optimi": bench._optimi_kahan}[maker]
+    make = {"torch": candidates.torch_adamw(False),
+            "collage": candidates._collage("plus", "foreach"),
+            "optimi": candidates._optimi_kahan}[maker]
     params = _late_params()
     step = make(params)
     step()
-    assert bench._set_step_counter(step, 20_000)
+    assert measure._set_step_counter(step, 20_000)
     step()
-    opt = bench._optimizer_of(step)
+    opt = measure.optimizer_of(step)
     counters = [s["step"] for s in opt.state.values() if "step" in s] + \
         [g["step"] for g in opt.param_groups if "step" in g]
     assert counters and all(int(c) == 20_001 for c in counters)
 
 
 def test_start_step_without_an_optimizer_is_reported():
-    from collage.bench import optimizer as bench
-
-    assert bench._set_step_counter(lambda: None, 5) is False
+    assert measure._set_step_counter(lambda: None, 5) is False
 
 
 def test_bench_optimizer_start_step_json(capsys):

@@ -1,6 +1,6 @@
-"""The fused path's inductor kernels: no recompilation across learning-rate changes, the group
-kernel equals the per-parameter kernel bit for bit, and its in-kernel stochastic rounding is
-exact."""
+"""The fused path's compiled (inductor) kernels: no recompilation across learning-rate
+changes, the group kernel equals the per-parameter kernel bit for bit, and its in-kernel
+stochastic rounding is exact."""
 
 from __future__ import annotations
 
@@ -8,16 +8,17 @@ import pytest
 import torch
 
 import collage
-from collage.optim import fused, get_strategy, kernels
+from collage.optim import compiled, draws, eager, get_strategy, kernels
 from collage.optim.rounding import _stochastic_round_bf16, stochastic_round
 from collage.optim.rules import ADAMW
 
 # the inductor kernels (on CPU, AdamW groups would otherwise run the native C kernels,
 # tested in tests/optim/test_native.py)
-pytestmark = [pytest.mark.skipif(not fused.available(), reason="no C++ compiler for inductor"),
+pytestmark = [pytest.mark.skipif(not compiled.available(),
+                                 reason="no C++ compiler for inductor"),
               pytest.mark.usefixtures("inductor_only")]
 
-# one tensor above fused.SMALL_NUMEL (its own kernel call), several below (one bucket)
+# one tensor above eager.SMALL_NUMEL (its own kernel call), several below (one bucket)
 SHAPES = [(160, 128), (64,), (3, 5), (1000,), (1,)]
 
 
@@ -33,8 +34,8 @@ def _grads(step, dtype=torch.bfloat16):
 
 def test_shapes_exercise_both_call_kinds():
     sizes = [torch.Size(s).numel() for s in SHAPES]
-    assert any(n >= fused.SMALL_NUMEL for n in sizes)
-    assert sum(n < fused.SMALL_NUMEL for n in sizes) >= 2
+    assert any(n >= eager.SMALL_NUMEL for n in sizes)
+    assert sum(n < eager.SMALL_NUMEL for n in sizes) >= 2
 
 
 def test_learning_rate_schedule_never_recompiles():
@@ -66,30 +67,33 @@ def test_learning_rate_schedule_never_recompiles():
 def test_group_path_equals_per_parameter_kernel(strategy):
     """The group path (bf16 gradients converted in the kernel, small tensors concatenated,
     uniforms hashed in the kernel) equals the per-parameter compiled kernel fed float32
-    gradients and the same uniforms, bit for bit, over several steps."""
+    gradients and the same uniforms drawn eagerly, bit for bit, over several steps."""
     st = get_strategy(strategy)
     params = _params()
     opt = collage.AdamW(params, lr=1e-2, weight_decay=0.1, strategy=strategy, fused=True)
     shadow = [p.detach().clone() for p in params]
     shadow_state = [{} for _ in params]
     for p, s in zip(shadow, shadow_state):
-        kernels.init_state(ADAMW, st, p, s)
-    per_param = fused.compiled_step(ADAMW, st)
+        st.init_state(ADAMW, p, s)
+    per_param = compiled._compile(compiled._step_body(ADAMW, st, False, False),
+                                  f"test_per_parameter_{strategy}")
+    cpu = torch.device("cpu")
     for step in range(1, 4):
         grads = _grads(step)
         for p, g in zip(params, grads):
             p.grad = g
         opt.step()
-        coeffs = opt._as_tensors(ADAMW.coefficients(opt.param_groups[0], step),
-                                 torch.device("cpu"))
+        assert opt.last_paths == {0: "compiled"}
+        packed, static = compiled.pack(ADAMW, ADAMW.coefficients(opt.param_groups[0], step),
+                                       cpu)
         for i in range(len(params)):
-            draws = None
-            if strategy == "stochastic":  # keyed by (seed, position, step), indexed from 0
-                seeds = fused.stochastic_seeds(opt, params[i], step, 0, torch.device("cpu"))
-                draws = fused.counter_uniform(params[i].numel(), seeds)
+            uniforms = None
+            if st.draws:  # keyed by (seed, position, step), indexed from 0
+                key = draws.draw_key(opt.seed, i, step, 0, cpu)
+                uniforms = draws.counter_uniform(params[i].numel(), key)
             flat = {k: v.view(-1) for k, v in shadow_state[i].items() if k != "step"}
-            per_param(shadow[i].view(-1), grads[i].float().view(-1), flat, coeffs, draws,
-                      False)
+            per_param(shadow[i].view(-1), grads[i].float().view(-1), flat, packed, static,
+                      None, uniforms)
         for i, p in enumerate(params):
             assert torch.equal(p.detach(), shadow[i]), (strategy, step, i)
             for key, value in shadow_state[i].items():
@@ -135,16 +139,16 @@ def test_in_kernel_stochastic_rounding_is_bitwise_the_reference_formula():
 
 def test_counter_uniform_is_uniform_and_keyed():
     seeds = torch.tensor([12345, -678, 0], dtype=torch.int32)
-    u = fused.counter_uniform(1 << 20, seeds)
+    u = draws.counter_uniform(1 << 20, seeds)
     assert u.dtype == torch.float32 and float(u.min()) >= 0.0 and float(u.max()) < 1.0
     assert abs(float(u.mean()) - 0.5) < 2e-3
     assert abs(float(u.var()) - 1 / 12) < 2e-3
     counts = torch.histc(u, bins=16, min=0.0, max=1.0)
     assert float((counts / u.numel() - 1 / 16).abs().max()) < 2e-3
-    assert torch.equal(u, fused.counter_uniform(1 << 20, seeds.clone()))
-    other = fused.counter_uniform(1 << 20, torch.tensor([12346, -678, 0], dtype=torch.int32))
+    assert torch.equal(u, draws.counter_uniform(1 << 20, seeds.clone()))
+    other = draws.counter_uniform(1 << 20, torch.tensor([12346, -678, 0], dtype=torch.int32))
     # a shard starting at element 1000 draws what the whole tensor draws there
-    shard = fused.counter_uniform(5000, torch.tensor([12345, -678, 1000], dtype=torch.int32))
+    shard = draws.counter_uniform(5000, torch.tensor([12345, -678, 1000], dtype=torch.int32))
     assert torch.equal(shard, u[1000:6000])
     assert abs(float(torch.corrcoef(torch.stack([u, other]))[0, 1])) < 5e-3
     # neighbouring elements are not correlated either

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 import collage
-from collage.cli import UsageError
+from collage.errors import UsageError
 from collage.train.config import (
     PRESETS,
     Config,
@@ -16,10 +16,9 @@ from collage.train.config import (
     ModelConfig,
     OptimConfig,
     RunConfig,
-    add_config_flags,
-    config_from_args,
     get_preset,
 )
+from collage.train.flags import add_config_flags, config_from_args
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from collage.cli import UsageError
+from collage.errors import UsageError
 from collage.train.config import DataConfig
 from collage.train.data import (
     MASK_ID,

@@ -8,9 +8,11 @@ import torch
 import collage
 from collage.train.config import ModelConfig
 from collage.train.data import VOCAB_SIZE
-from collage.train.memory import bytes_per_param, memory_table, persistent_bytes
+from collage.bench.common import strategy_bytes
+from collage.optim.strategies import Component, Strategy
+from collage.train.memory import bytes_per_param, memory_table, persistent_bytes, strategy_layout
 from collage.train.models import build_model
-from collage.train.runner import param_groups, weight_dtype
+from collage.train.build import param_groups, weight_dtype
 
 
 @pytest.mark.parametrize(
@@ -49,6 +51,35 @@ def test_fp32_gradients_cost_two_more_bytes_except_for_fp32():
 def test_every_strategy_is_modelled():
     for name in collage.STRATEGIES:
         assert bytes_per_param(name).total > 0
+
+
+def test_layouts_are_generated_from_the_components():
+    assert bytes_per_param("plus").layout == "w bf16 + lo bf16 | g bf16 | m, v bf16 + v lo bf16"
+    assert bytes_per_param("mixed", "fp32").layout == \
+        "w bf16 + fp32 master | g fp32 | m, v fp32"
+    assert bytes_per_param("fp32", "bf16").layout == "w fp32 | g fp32 | m, v fp32"
+    assert bytes_per_param("stochastic").layout.endswith("; stochastic rounding")
+    assert "m scale, v scale fp32 per 128" in bytes_per_param("plus8").layout
+
+
+class _WideLow(Strategy):
+    """Not a real strategy: a float32 low part beside a bf16 weight, bf16 states; what a
+    new strategy would declare."""
+
+    name = "wide-low"
+
+    def weight_components(self, weight_dtype):
+        return (Component("param", weight_dtype, "weight", "w"),
+                Component("weight_lo", torch.float32, "low", "lo"))
+
+
+def test_a_new_strategy_is_modelled_from_its_components_alone():
+    """Nothing but the components: the memory model's row and the benchmark's bytes."""
+    layout = strategy_layout(_WideLow())
+    assert (layout.weights, layout.optimizer_states, layout.compensation) == (2, 4, 4)
+    assert (layout.weight_text, layout.state_text) == ("w bf16 + lo fp32", "m, v bf16")
+    moved = strategy_bytes(_WideLow())
+    assert (moved.read, moved.write) == (2 + 4 + 2 + 2 + 2, 2 + 4 + 2 + 2)  # + the gradient
 
 
 def test_table_totals():

@@ -8,9 +8,11 @@ import os
 import pytest
 import torch
 
-from collage.cli import UsageError
+from collage.errors import UsageError
 from collage.train.config import OptimConfig
-from collage.train.runner import CHECKPOINT_NAME, lr_factor, save_atomic, train_strategy
+from collage.train.build import lr_factor
+from collage.train.checkpoint import CHECKPOINT_NAME, save_atomic
+from collage.train.runner import train_strategy
 
 from .conftest import micro_config
 
@@ -145,7 +147,7 @@ def test_keyboard_interrupt_during_forward_redoes_the_step(tmp_path, monkeypatch
     import collage.train.runner as runner
 
     calls = {"n": 0}
-    real = runner._loss
+    real = runner.token_loss
 
     def interrupting_loss(*args, **kwargs):
         if kwargs.get("reduction", "mean") == "mean":  # a training step, not evaluation
@@ -154,7 +156,7 @@ def test_keyboard_interrupt_during_forward_redoes_the_step(tmp_path, monkeypatch
                 raise KeyboardInterrupt  # inside the 4th training step, before its update
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "_loss", interrupting_loss)
+    monkeypatch.setattr(runner, "token_loss", interrupting_loss)
     with pytest.raises(KeyboardInterrupt):
         train_strategy(config, "plus", out_dir=str(tmp_path), checkpoint_every=0)
     monkeypatch.undo()

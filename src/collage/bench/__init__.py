@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 
+from . import optimizer, train
+
 __all__ = ["register"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from . import optimizer, train
-
     parser = subparsers.add_parser(
         "bench", help="benchmark optimizer steps and training throughput",
         description="Benchmarks: `collage bench optimizer` (step time, GB/s, roofline, vs "

@@ -12,12 +12,20 @@ from importlib import metadata
 
 import torch
 
+from .. import __version__
+from ..optim.rules import ADAMW
+from ..optim.strategies import Strategy, all_strategies
+from ..optim.strategies.strategy import dtype_name
+from ..train.memory import describe, whole
+
 __all__ = [
     "SIZES",
     "DEFAULT_SIZES",
     "gpt_shapes",
     "BYTES",
+    "BASELINE_BYTES",
     "bytes_per_param",
+    "strategy_bytes",
     "environment",
     "hardware_slug",
     "summary",
@@ -72,33 +80,50 @@ def n_params(size: str) -> int:
 @dataclass(frozen=True)
 class Bytes:
     """Bytes one step must read and write per parameter element, at least: each stored
-    component once (in-place updates: read + write; the gradient: read only)."""
+    component once (in-place updates: read + write; the gradient: read only). Whole numbers
+    are ints."""
 
-    read: int
-    write: int
+    read: float
+    write: float
     components: str
 
     @property
-    def total(self) -> int:
+    def total(self) -> float:
         return self.read + self.write
 
 
-# Weights and gradients in bf16 (2 bytes) unless the row says fp32.
-BYTES: dict[str, Bytes] = {
-    "fp32": Bytes(16, 12, "w, m, v fp32 (r+w); g fp32 (r)"),
-    "mixed": Bytes(14, 14, "master, m, v fp32 (r+w); g bf16 (r); w bf16 (w only)"),
-    "bf16": Bytes(8, 6, "w, m, v bf16 (r+w); g bf16 (r)"),
-    "stochastic": Bytes(8, 6, "as bf16; uniforms hashed in registers, not stored"),
-    "kahan": Bytes(10, 8, "w, compensation, m, v bf16 (r+w); g (r)"),
-    "light": Bytes(10, 8, "w, w_lo, m, v bf16 (r+w); g (r)"),
-    "plus": Bytes(12, 10, "w, w_lo, m, v, v_lo bf16 (r+w); g (r)"),
-    "split": Bytes(12, 10, "w, low16 int16, m, v, v_lo bf16 (r+w); g (r)"),
-    # baselines
+def strategy_bytes(strategy: Strategy) -> Bytes:
+    """The bytes an AdamW step of ``strategy`` moves, from its components at its default
+    weight dtype: every component written once and read once, except those a step does not
+    read (``read=False``: mixed's visible weight, written from the master); the gradient,
+    in the weight's dtype, read once."""
+    weight_dtype = strategy.weight_dtypes[0]
+    components = strategy.components(ADAMW, weight_dtype)
+    updated = [c for c in components if c.read]
+    written_only = [c for c in components if not c.read]
+    read = sum(c.bytes for c in updated) + weight_dtype.itemsize
+    write = sum(c.bytes for c in components)
+    text = f"{describe(updated, by_role=False)} (r+w)"
+    if written_only:
+        text += f"; {describe(written_only, by_role=False)} (w only)"
+    text += f"; g {dtype_name(weight_dtype)} (r)"
+    if strategy.draws:
+        text += "; uniforms hashed in registers, not stored"
+    return Bytes(whole(read), whole(write), text)
+
+
+#: Optimizers benchmarked beside collage's that are not strategies: declared by hand.
+#: Weights and gradients in bf16 (2 bytes) unless the row says fp32.
+BASELINE_BYTES: dict[str, Bytes] = {
     "torch-fused-fp32": Bytes(16, 12, "w, m, v fp32 (r+w); g fp32 (r)"),
     "torch-foreach-bf16": Bytes(8, 6, "w, m, v bf16 (r+w); g (r)"),
     "optimi-kahan": Bytes(10, 8, "w, kahan comp, m, v bf16 (r+w); g (r)"),
     "torchao-sr": Bytes(8, 6, "w, m, v bf16 (r+w); g (r)"),
 }
+
+#: Every strategy's bytes (``collage.STRATEGIES`` order), then the baselines'.
+BYTES: dict[str, Bytes] = {**{s.name: strategy_bytes(s) for s in all_strategies()},
+                           **BASELINE_BYTES}
 
 
 def bytes_per_param(key: str) -> Bytes:
@@ -130,8 +155,6 @@ def _version(package: str) -> str | None:
 
 def environment() -> dict[str, object]:
     """What produced the numbers: CPU, cores, threads, date, versions."""
-    import collage
-
     env: dict[str, object] = {
         "date": datetime.date.today().isoformat(),
         "cpu": _cpu_model(),
@@ -139,7 +162,7 @@ def environment() -> dict[str, object]:
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "collage": collage.__version__,
+        "collage": __version__,
         "optimi": _version("torch-optimi"),
         "torchao": _version("torchao"),
         "platform": platform.platform(),

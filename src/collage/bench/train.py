@@ -15,8 +15,8 @@ Speed: ``--rounds`` fresh processes (default 3), each holding every mode's model
 optimizer side by side and stepping them interleaved: ``warmup`` untimed steps each, then
 ``steps`` timed steps each (step k of every mode, the order rotated by k and by round), on
 random tokens with a learning rate that changes every step (as a schedule does). Why
-interleaved: this shared machine's speed drifts by 10-20 % between processes, more than
-the differences measured, so modes timed in separate processes compared the machine's
+interleaved: a shared machine's speed drifts between processes by more than the
+differences measured, so modes timed in separate processes compared the machine's
 moods; steps of different modes taken moments apart share them. Tokens/s is the median
 over every timed step (forward, backward, optimizer step, zero_grad); the ratio to
 autocast the median over the steps of autocast's time at the same round and index over the
@@ -48,20 +48,26 @@ import time
 
 import torch
 
-from ..cli import UsageError
+from ..errors import UsageError
+from ..optim import AdamW, get_strategy
+from ..train.config import PRESETS, get_preset
+from ..train.data import VOCAB_SIZE
+from ..train.losses import cross_entropy
+from ..train.memory import TensorMemoryProbe, persistent_bytes
+from ..train.models import build_model
 from . import common
 
 __all__ = ["register", "run", "MODES"]
 
 STRATEGIES = ("mixed", "bf16", "kahan", "stochastic", "light", "plus", "split")
-MODES = ("fp32", "autocast") + STRATEGIES
+#: modes that train float32 weights with torch.optim.AdamW (fused), not a collage strategy
+TORCH_MODES = ("fp32", "autocast")
+MODES = TORCH_MODES + STRATEGIES
 MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "context", "checkpoint_activations",
                "recompute_mlp")
 
 
 def _model_config(preset: str, overrides: dict):
-    from ..train.config import get_preset
-
     config = get_preset(preset)
     model = dataclasses.replace(config.model, family="gpt", dropout=0.0,
                                 **{k: v for k, v in overrides.items() if v is not None})
@@ -100,14 +106,12 @@ class _PeakRSS:
 
 
 def _optimizer(mode: str, model: torch.nn.Module, lr: float):
-    import collage
-
     decay = [p for p in model.parameters() if p.ndim >= 2]
     other = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
-    if mode in ("fp32", "autocast"):
+    if mode in TORCH_MODES:
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    return collage.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, strategy=mode,
+    return AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, strategy=mode,
                          fused=True)
 
 
@@ -116,22 +120,17 @@ class _Trainer:
     learning rate each, as a schedule does) and returns its seconds."""
 
     def __init__(self, mode: str, model_cfg, batch: int, seed: int) -> None:
-        from ..train.data import VOCAB_SIZE
-        from ..train.models import build_model
-
         self.mode, self.batch, self.context = mode, batch, model_cfg.context
         self.vocab = VOCAB_SIZE
         self.model = build_model(model_cfg, VOCAB_SIZE, seed=seed)
-        if mode not in ("fp32", "autocast"):
-            self.model = self.model.to(torch.bfloat16)
+        if mode not in TORCH_MODES:  # the strategy's weight dtype (bf16; mixed: its copy)
+            self.model = self.model.to(get_strategy(mode).weight_dtypes[0])
         self.lr = 1e-3
         self.optimizer = _optimizer(mode, self.model, self.lr)
         self.generator = torch.Generator().manual_seed(seed)
         self.index = 0
 
     def step(self) -> float:
-        from ..train.losses import cross_entropy
-
         tokens = torch.randint(0, self.vocab, (self.batch, self.context + 1),
                                generator=self.generator)
         x, y = tokens[:, :-1], tokens[:, 1:]
@@ -162,8 +161,6 @@ def worker(spec: dict) -> dict:
     """Memory of one mode, in this process (a fresh interpreter, see :func:`run`): after
     ``warmup`` steps (at least one: the optimizer's states exist), one step under a
     :class:`TensorMemoryProbe` (the peak bytes held by tensors, by the allocator)."""
-    from ..train.memory import TensorMemoryProbe, persistent_bytes
-
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     mode = spec["mode"]
@@ -371,8 +368,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise UsageError(f"--modes: unknown mode {mode!r}; valid: {', '.join(MODES)}")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise UsageError("--steps and --rounds must be at least 1 and --warmup at least 0")
-    from ..train.config import PRESETS
-
     if args.preset not in PRESETS:
         raise UsageError(f"--preset: unknown preset {args.preset!r}; valid: "
                          + ", ".join(PRESETS))

@@ -10,8 +10,20 @@ import sys
 import textwrap
 from typing import Any
 
-from ..cli import UsageError
-from .config import Config, add_config_flags, config_from_args, strategies
+import torch
+
+from ..errors import UsageError
+from ..optim import consolidate
+from .build import resolve_device
+from .checkpoint import save_atomic
+from .compare import compare, write_json
+from .config import Config, strategies
+from .data import VOCAB_SIZE, load_corpus, make_batches
+from .distributed import launch, teardown, under_launcher
+from .flags import add_config_flags, config_from_args
+from .memory import COMPARED_WITH, GRAD_DTYPES, bytes_per_param, memory_table
+from .models import build_model, is_causal
+from .runner import train_strategy
 
 __all__ = ["register", "parse_count"]
 
@@ -90,10 +102,6 @@ def _print(message: str) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from .compare import compare
-    from .data import load_corpus, make_batches
-    from .models import is_causal
-
     config = config_from_args(args, "compare")
     # Fail fast, in the parent, on data that cannot work (one line instead of a child's error).
     make_batches(load_corpus(config.data), config.data, context=config.model.context,
@@ -111,9 +119,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .distributed import launch, teardown, under_launcher
-    from .runner import train_strategy
-
     config = config_from_args(args, "train")
     strategy = config.optim.strategy
     out = _out_dir(config, "train", f"-{strategy}")
@@ -136,10 +141,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _check_nproc(config: Config) -> None:
-    import torch
-
-    from .runner import resolve_device
-
     n = config.run.nproc
     if config.data.batch_size % n:
         raise UsageError(f"--nproc {n}: --batch-size {config.data.batch_size} must be "
@@ -150,17 +151,12 @@ def _check_nproc(config: Config) -> None:
 
 
 def _write_train_results(config: Config, out: str, result: dict[str, Any], log) -> None:
-    import collage
-
-    from .compare import _write_json
-    from .runner import save_atomic
-
     strategy = config.optim.strategy
     s = result["summary"]
-    _write_json(os.path.join(out, "history.json"), result["history"])
-    _write_json(os.path.join(out, "summary.json"), s)
+    write_json(os.path.join(out, "history.json"), result["history"])
+    write_json(os.path.join(out, "summary.json"), s)
     if s["completed"]:
-        weights = collage.consolidate(result["model"], result["optimizer"])
+        weights = consolidate(result["model"], result["optimizer"])
         save_atomic(weights, os.path.join(out, "model_fp32.pt"))
     if log:
         state = "finished" if s["completed"] else "stopped (resume with --resume)"
@@ -198,11 +194,6 @@ def _memory_params(args: argparse.Namespace) -> float:
         return parse_count(args.params)
     if not model_flags:
         return 6.7e9
-    import torch
-
-    from .data import VOCAB_SIZE
-    from .models import build_model
-
     config = config_from_args(args, "memory")
     with torch.device("meta"):
         model = build_model(config.model, VOCAB_SIZE)
@@ -210,8 +201,6 @@ def _memory_params(args: argparse.Namespace) -> float:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
-    from .memory import GRAD_DTYPES, bytes_per_param, memory_table
-
     n = _memory_params(args)
     valid = strategies()
     chosen: list[str] = []
@@ -226,7 +215,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     if args.grad_dtype not in GRAD_DTYPES:
         raise UsageError(f"--grad-dtype: expected bf16 or fp32, got {args.grad_dtype!r}")
     if args.json:
-        mixed = bytes_per_param("mixed", args.grad_dtype).total * n
+        mixed = bytes_per_param(COMPARED_WITH, args.grad_dtype).total * n
         rows: list[dict[str, Any]] = []
         for name in chosen:
             b = bytes_per_param(name, args.grad_dtype)

@@ -25,11 +25,13 @@ import torch
 
 import collage
 
+from .build import initial_weights, state_checksum
 from .config import Config
-from .memory import ROLES, bytes_per_param
-from .runner import initial_weights, state_checksum, train_strategy
+from .memory import bytes_per_param
+from .report import fmt, report_markdown, write_plots
+from .runner import train_strategy
 
-__all__ = ["compare", "environment", "write_outputs", "CSV_FIELDS"]
+__all__ = ["compare", "environment", "write_outputs", "write_json", "CSV_FIELDS"]
 
 CSV_FIELDS = (
     "label", "strategy", "beta2", "final_val_loss", "final_val_ppl", "val_loss_vs_fp32",
@@ -39,6 +41,10 @@ CSV_FIELDS = (
     "peak_memory_bytes", "peak_memory_measured", "optimizer_step_peak_bytes",
     "process_peak_rss_bytes", "rss_before_bytes", "n_params", "steps",
 )
+
+
+#: The run the "vs fp32" column compares with (same beta2).
+REFERENCE = "fp32"
 
 
 def _cpu_model() -> str:
@@ -220,7 +226,7 @@ def _run_isolated(config, jobs, init, out_dir, n_jobs, threads, results, bar, sa
 def _log_result(log, s: dict[str, Any], quiet: bool) -> None:
     if not quiet and log is not None:
         log(f"{s['label']:<16} val loss {s['final_val_loss']:.4f}  "
-            f"EDQ {_fmt(s['edq_mean'], '.3f')}  {_fmt(s['tokens_per_s'], ',.0f')} tok/s  "
+            f"EDQ {fmt(s['edq_mean'], '.3f')}  {fmt(s['tokens_per_s'], ',.0f')} tok/s  "
             f"{s['wall_time_s']:.1f} s")
 
 
@@ -242,7 +248,7 @@ def _finite_or_none(value: Any) -> Any:
 def _records(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Summaries with the derived columns (loss vs fp32, the memory model's bytes/param)."""
     reference = {r["summary"]["beta2"]: r["summary"]["final_val_loss"]
-                 for r in results if r["summary"]["strategy"] == "fp32"}
+                 for r in results if r["summary"]["strategy"] == REFERENCE}
     records = []
     for r in results:
         s = dict(r["summary"])
@@ -260,9 +266,9 @@ def write_outputs(config: Config, results: list[dict[str, Any]], out_dir: str, *
     env = environment(config.run.device)
     settings = {"config": config.to_dict(), "environment": env, "wall_time_s": wall_time_s,
                 "command": "collage " + " ".join(sys.argv[1:]) if sys.argv else ""}
-    _write_json(os.path.join(out_dir, "results.json"), records)
-    _write_json(os.path.join(out_dir, "config.json"), settings)
-    _write_json(os.path.join(out_dir, "history.json"),
+    write_json(os.path.join(out_dir, "results.json"), records)
+    write_json(os.path.join(out_dir, "config.json"), settings)
+    write_json(os.path.join(out_dir, "history.json"),
                 {r["summary"]["label"]: r["history"] for r in results})
     with open(os.path.join(out_dir, "results.csv"), "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS, extrasaction="ignore")
@@ -280,224 +286,8 @@ def _csv_value(value: Any) -> Any:
     return "" if value is None else value
 
 
-def _write_json(path: str, obj: Any) -> None:
+def write_json(path: str, obj: Any) -> None:
+    """``obj`` as indented JSON, non-finite floats as null."""
     with open(path, "w") as handle:
         json.dump(_finite_or_none(obj), handle, indent=1)
         handle.write("\n")
-
-
-def _fmt(value: Any, spec: str = ".4f") -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "-"
-    return format(value, spec)
-
-
-def report_markdown(config: Config, records: list[dict[str, Any]], env: dict[str, Any],
-                    wall_time_s: float, plots: list[str]) -> str:
-    """The human-readable report: results table, per-family EDQ, settings, machine."""
-    m, d, o, r = config.model, config.data, config.optim, config.run
-    first = records[0]
-    lines = [
-        f"# collage compare: preset `{config.preset}`",
-        "",
-        f"{len(records)} runs of the same {m.family} model ({first['n_params']:,} parameters) "
-        f"from the same float32 initial weights (checksum `{first['init_checksum']}`) on the "
-        f"same batches; total wall time {wall_time_s:.0f} s.",
-        "",
-        "## Results",
-        "",
-        "| strategy | β2 | val loss | vs fp32 | val ppl | train loss | EDQ | imprecision "
-        "| tokens/s | wall / CPU s | persistent MB | B/param (model) | peak memory MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for s in records:
-        vs = s.get("val_loss_vs_fp32")
-        lines.append(
-            f"| {s['strategy']} | {s['beta2']:g} | {_fmt(s['final_val_loss'])} "
-            f"| {('%+.2f %%' % (100 * vs)) if vs is not None else '-'} "
-            f"| {_fmt(s['final_val_ppl'], '.3f')} | {_fmt(s['final_train_loss'])} "
-            f"| {_fmt(s['edq_mean'], '.4f')} | {_fmt(s['imprecision_mean'], '.4f')} "
-            f"| {_fmt(s['tokens_per_s'], ',.0f')} "
-            f"| {s['wall_time_s']:.0f} / {s['cpu_time_s']:.0f} "
-            f"| {s['persistent_bytes'] / 2**20:.2f} "
-            f"| {s['bytes_per_param_measured']:.2f} ({s['bytes_per_param_model']}) "
-            f"| {s['peak_memory_bytes'] / 2**20:.0f} |"
-        )
-    lines += [
-        "",
-        "*val loss*: mean token cross-entropy (nats per byte) on the fixed validation batches "
-        "after the last step; *vs fp32*: relative difference to the fp32 run with the same β2. "
-        "*EDQ* (effective descent quality, `<e, d> / ||d||²`) and *imprecision* (share of "
-        "weights whose intended non-zero update was lost) are averaged over the measured "
-        f"steps (every {r.track_every}); they concern the represented weight (hi + lo, the "
-        "master copy). *tokens/s* excludes evaluation, measured steps, the step whose memory is "
-        "measured and the first step. "
-        "*wall / CPU s*: seconds the run took and CPU seconds its process used (with one "
-        "thread per run, wall well above CPU means the machine was busy with other work, "
-        "which slows tokens/s too). "
-        "*persistent MB*: exact bytes of weights, gradients and optimizer states after a step "
-        "(tensor storages, deduplicated); *B/param*: measured bytes per parameter, with the "
-        "memory model's number in brackets (see `collage memory`).",
-        "",
-        _memory_note(records),
-        "",
-    ]
-    families = [f for f in ("embedding", "attention", "mlp", "norm", "head")
-                if any(f in s.get("family", {}) for s in records)]
-    if families:
-        lines += [
-            "## EDQ and imprecision per module family",
-            "",
-            "| strategy | β2 | " + " | ".join(f"{f} EDQ / impr." for f in families) + " |",
-            "|---|---|" + "---|" * len(families),
-        ]
-        for s in records:
-            cells = []
-            for f in families:
-                fam = s.get("family", {}).get(f, {})
-                cells.append(f"{_fmt(fam.get('edq'), '.3f')} / "
-                             f"{_fmt(fam.get('imprecision'), '.3f')}")
-            lines.append(f"| {s['strategy']} | {s['beta2']:g} | " + " | ".join(cells) + " |")
-        lines += [""]
-    if plots:
-        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
-    lines += [
-        "## Settings",
-        "",
-        f"- model: {m.family}{' (transformers)' if m.hf else ''}, d_model {m.d_model}, "
-        f"{m.n_layers} layers, {m.n_heads} heads, MLP {m.ffn_dim}, context {m.context}, "
-        f"tied embeddings {m.tie_weights}, dropout {m.dropout}, init std {m.init_std}",
-        f"- data: {first['data_source']}; byte-level tokens (vocabulary 257); "
-        f"{first['train_tokens']:,} train / {first['val_tokens']:,} validation tokens; "
-        f"batch {d.batch_size} x {m.context} = {d.batch_size * m.context:,} tokens per step"
-        + (f"; MLM masking {d.mlm_probability}" if m.family == "bert" else ""),
-        f"- optimizer: collage.AdamW lr {o.lr:g}, betas ({o.beta1:g}, "
-        + (", ".join(f"{b:g}" for b in r.beta2s) if r.beta2s else f"{o.beta2:g}")
-        + f"), eps {o.eps:g}, weight decay {o.weight_decay:g} (matrices and embeddings), "
-        f"{o.warmup_steps} warm-up steps then {o.schedule} to {o.min_lr_ratio:g} x lr, "
-        f"gradient clipping {o.grad_clip:g}",
-        f"- run: {r.steps} steps, seed {r.seed}, validation every {r.eval_every} steps on "
-        f"{r.eval_batches} fixed batches, EDQ measured every {r.track_every} steps, device "
-        f"{first['device']}, {first['threads']} torch threads per run, "
-        + (f"one fresh process per strategy, {first.get('jobs', 1)} at a time"
-           if r.isolate else "one process for all strategies"),
-        "",
-        "## Environment",
-        "",
-    ]
-    lines += [f"- {k}: {v}" for k, v in env.items()]
-    lines += ["", f"Reproduce: `collage compare --preset {config.preset} ...` "
-              "(the full configuration is in `config.json`).", ""]
-    return "\n".join(lines)
-
-
-def _memory_note(records: list[dict[str, Any]]) -> str:
-    measured = str(records[0]["peak_memory_measured"])
-    if measured.startswith(("cuda_max_memory_allocated", "cpu_allocator_events")):
-        how = ("`torch.cuda.max_memory_allocated`" if measured.startswith("cuda")
-               else "torch's profiler, which sees every allocation and free of the CPU "
-               "allocator, replayed on top of the persistent bytes")
-        step = measured.split(", ")[1] if ", " in measured else "one step"
-        return ("*peak memory*: the most bytes held by tensors during one training step "
-                f"({step}: forward, backward, clipping, optimizer step), measured by {how}: "
-                "the persistent tensors plus activations and temporaries. The process's "
-                "peak resident set (Python, the torch libraries, the data) is in "
-                "`process_peak_rss_bytes`.")
-    return ("*peak memory*: peak resident set size of the process that trained the strategy "
-            "(`getrusage` `ru_maxrss`: a resumed run that did not measure a step). It "
-            "includes the Python interpreter and the torch libraries; the exact "
-            "per-strategy numbers are the *persistent MB* column.")
-
-
-def write_plots(results: list[dict[str, Any]], out_dir: str) -> list[str]:
-    """loss.png, edq.png, memory.png (matplotlib, Agg backend); [] without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=True)
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    written = []
-    styles = ["-", "--", ":", "-."]
-    beta2s = sorted({r["summary"]["beta2"] for r in results})
-    colors = {}
-    for r in results:
-        colors.setdefault(r["summary"]["strategy"], f"C{len(colors) % 10}")
-
-    def style(r):
-        s = r["summary"]
-        return dict(color=colors[s["strategy"]], linestyle=styles[beta2s.index(s["beta2"]) % 4],
-                    label=s["label"])
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in results:
-        h = r["history"]
-        ax1.plot(h["step"], _ema(h["train_loss"], 0.9), linewidth=1, **style(r))
-        ax2.plot(h["val_step"], h["val_loss"], marker=".", linewidth=1, **style(r))
-    ax1.set(title="training loss (EMA 0.9)", xlabel="step", ylabel="loss (nats/token)")
-    ax2.set(title="validation loss", xlabel="step", ylabel="loss (nats/token)")
-    _zoom(ax1, [v for r in results for v in _ema(r["history"]["train_loss"], 0.9)])
-    _zoom(ax2, [v for r in results for v in r["history"]["val_loss"]])
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "loss.png"), dpi=110)
-    plt.close(fig)
-    written.append("loss.png")
-
-    if any(r["history"]["stats_step"] for r in results):
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-        for r in results:
-            h = r["history"]
-            ax1.plot(h["stats_step"], h["edq"], linewidth=1, **style(r))
-            ax2.plot(h["stats_step"], h["imprecision"], linewidth=1, **style(r))
-        ax1.set(title="effective descent quality (represented weight)", xlabel="step",
-                ylabel="EDQ")
-        ax2.set(title="imprecision (share of lost updates)", xlabel="step",
-                ylabel="imprecision")
-        ax1.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, "edq.png"), dpi=110)
-        plt.close(fig)
-        written.append("edq.png")
-
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(results) + 1.5))
-    labels = [r["summary"]["label"] for r in results]
-    left = [0.0] * len(results)
-    for i, role in enumerate(ROLES):
-        widths = [r["summary"]["persistent"].get(role, 0) / 2**20 for r in results]
-        if any(widths):
-            ax.barh(labels, widths, left=left, color=f"C{i}", label=role.replace("_", " "))
-        left = [a + b for a, b in zip(left, widths)]
-    for i, r in enumerate(results):
-        s = r["summary"]
-        ax.text(left[i], i, f" {s['bytes_per_param_measured']:.1f} B/param", va="center",
-                fontsize=8)
-    ax.set(xlabel="persistent MB (exact tensor bytes, after the first step)",
-           title="persistent memory by role")
-    ax.invert_yaxis()
-    ax.legend(fontsize=8, loc="lower right")
-    ax.set_xlim(0, max(left) * 1.25 if max(left) > 0 else 1)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "memory.png"), dpi=110)
-    plt.close(fig)
-    written.append("memory.png")
-    return written
-
-
-def _ema(values: list[float], beta: float) -> list[float]:
-    out, avg = [], None
-    for v in values:
-        avg = v if avg is None else beta * avg + (1 - beta) * v
-        out.append(avg)
-    return out
-
-
-def _zoom(ax, values: list[float]) -> None:
-    """Show the interesting end of loss curves (skip the first steps' large values)."""
-    finite = sorted(v for v in values if v is not None and math.isfinite(v))
-    if len(finite) < 4:
-        return
-    low, high = finite[0], finite[int(0.8 * (len(finite) - 1))]
-    if high > low:
-        ax.set_ylim(low - 0.05 * (high - low), high + 0.3 * (high - low))

@@ -1,24 +1,23 @@
-"""Experiment configuration: nested keyword-only dataclasses, presets, and their CLI flags.
+"""Experiment configuration: nested keyword-only dataclasses and presets.
 
-Every field is a command-line flag whose help text is the field's ``help`` metadata; a preset
+Every field is a command-line flag (``collage.train.flags``) whose help text is the field's
+``help`` metadata; a preset
 (a plain function returning a :class:`Config`) sets the starting values and explicit flags
 override it. Validation happens in ``__post_init__`` and raises
-:class:`collage.cli.UsageError` with one line naming the flag and the fix.
+:class:`collage.errors.UsageError` with one line naming the flag and the fix.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cli import UsageError
-from .models import FAMILIES
+from ..errors import UsageError
+from ..optim import STRATEGIES
 
 __all__ = [
     "Config",
@@ -28,16 +27,18 @@ __all__ = [
     "RunConfig",
     "PRESETS",
     "get_preset",
-    "add_config_flags",
-    "config_from_args",
+    "SECTIONS",
+    "flag_name",
     "strategies",
 ]
 
+#: The model families of ``collage.train.models`` (which builds each from a ModelConfig).
+FAMILIES = ("gpt", "llama", "bert")
 SCHEDULES = ("constant", "cosine", "linear")
 DEVICES = ("cpu", "cuda", "auto")
 
 
-#: Baselines that are not collage strategies, run by name (``runner.make_optimizer``).
+#: Baselines that are not collage strategies, run by name (``build.make_optimizer``).
 BASELINES = ("torchao-adamw8bit",)
 #: What ``collage compare`` runs without ``--strategies`` (the committed reports' set); the
 #: 8-bit strategies and the baselines are opt-in.
@@ -46,9 +47,7 @@ DEFAULT_COMPARE = ("fp32", "mixed", "bf16", "kahan", "stochastic", "light", "plu
 
 def strategies() -> tuple[str, ...]:
     """Every name the harness accepts: ``collage.STRATEGIES`` and :data:`BASELINES`."""
-    import collage
-
-    return tuple(collage.STRATEGIES) + BASELINES
+    return tuple(STRATEGIES) + BASELINES
 
 
 def _opt(default: Any, help: str, *, flag: str | None = None, commands: tuple[str, ...] = (),
@@ -61,13 +60,14 @@ def _opt(default: Any, help: str, *, flag: str | None = None, commands: tuple[st
     return field(default=default, metadata=meta)
 
 
-def _flag(section: str, f: dataclasses.Field) -> str:
+def flag_name(f: dataclasses.Field) -> str:
+    """The command-line flag of a config field (``--d-model`` for ``d_model``)."""
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
 def _fail(section: str, name: str, message: str) -> typing.NoReturn:
-    f = {x.name: x for x in dataclasses.fields(_SECTIONS[section])}[name]
-    raise UsageError(f"{_flag(section, f)}: {message}")
+    f = {x.name: x for x in dataclasses.fields(SECTIONS[section])}[name]
+    raise UsageError(f"{flag_name(f)}: {message}")
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -327,7 +327,7 @@ class Config:
     def replace(self, **sections: dict[str, Any]) -> Config:
         """A copy with fields changed per section: ``cfg.replace(run={"steps": 5})``."""
         for name in sections:
-            if name not in _SECTIONS:
+            if name not in SECTIONS:
                 raise TypeError(f"unknown config section {name!r}")
         changed = {
             name: dataclasses.replace(getattr(self, name), **values)
@@ -336,7 +336,7 @@ class Config:
         return dataclasses.replace(self, **changed)
 
 
-_SECTIONS: dict[str, type] = {
+SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig,
 }
 
@@ -347,13 +347,14 @@ _SECTIONS: dict[str, type] = {
 
 
 def quick() -> Config:
-    """Tiny GPT, byte level, 400 steps at beta2 = 0.999: every strategy in under 3 minutes
-    on 2 CPU cores (the dataclass defaults are exactly this preset)."""
+    """Tiny GPT, byte level, 400 steps at beta2 = 0.999: small enough to train every
+    strategy on a laptop's CPU (its wall time: ``docs/reports/quick/report.md``); the
+    dataclass defaults are exactly this preset."""
     return Config(preset="quick")
 
 
 def micro() -> Config:
-    """A few steps of a very small GPT: for tests and smoke runs (seconds)."""
+    """A few steps of a very small GPT: for tests and smoke runs."""
     return Config(
         model=ModelConfig(d_model=32, n_layers=1, n_heads=2, context=32),
         data=DataConfig(batch_size=4, max_bytes=100_000),
@@ -397,112 +398,3 @@ def get_preset(name: str) -> Config:
     if name not in PRESETS:
         raise UsageError(f"--preset: unknown preset {name!r}; valid: " + ", ".join(PRESETS))
     return PRESETS[name]()
-
-
-# --------------------------------------------------------------------------------------------
-# Command-line flags
-# --------------------------------------------------------------------------------------------
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _base(tp: Any) -> tuple[Any, bool]:
-    """``(T, optional)`` for ``T`` or ``T | None``."""
-    args = typing.get_args(tp)
-    if (typing.get_origin(tp) in (typing.Union, types.UnionType)) and type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        return rest[0], True
-    return tp, False
-
-
-def _convert(text: str, tp: Any, flag: str) -> Any:
-    """Parse one flag value; malformed input raises UsageError naming the flag."""
-    base, optional = _base(tp)
-    if optional and text.strip().lower() in ("none", "null", ""):
-        return None
-    if base is bool:
-        low = text.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise UsageError(f"{flag}: expected true or false, got {text!r}")
-    if base is int:
-        try:
-            value = float(text)
-        except ValueError:
-            raise UsageError(f"{flag}: expected an integer, got {text!r}") from None
-        if not value.is_integer():
-            raise UsageError(f"{flag}: expected an integer, got {text!r}")
-        return int(value)
-    if base is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise UsageError(f"{flag}: expected a number, got {text!r}") from None
-    return text
-
-
-def add_config_flags(parser: argparse.ArgumentParser, command: str,
-                     sections: tuple[str, ...] | None = None) -> None:
-    """Add ``--preset`` and one flag per config field (those meant for ``command``; of the
-    given ``sections`` only, when given)."""
-    parser.add_argument("--preset", default=argparse.SUPPRESS, metavar="NAME",
-                        help="starting configuration: " + ", ".join(PRESETS)
-                        + " (default: quick); flags override it")
-    for section, cls in _SECTIONS.items():
-        if sections is not None and section not in sections:
-            continue
-        group = parser.add_argument_group(section, cls.__doc__.strip())
-        hints = _hints(cls)
-        for f in dataclasses.fields(cls):
-            commands = f.metadata.get("commands") or ()
-            if commands and command not in commands:
-                continue
-            flag, tp = _flag(section, f), hints[f.name]
-            base, optional = _base(tp)
-            choices = f.metadata.get("choices")
-            default = f.default
-            shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-            shown = "none" if shown is None else ("-" if shown == () else shown)
-            help_text = f"{f.metadata['help']} (default: {shown})"
-            dest = f"{section}.{f.name}"
-            if base is bool and not optional:
-                parser_group = group
-                parser_group.add_argument(flag, dest=dest, default=argparse.SUPPRESS,
-                                          action=argparse.BooleanOptionalAction,
-                                          help=f.metadata["help"] + f" (default: {default})")
-            elif typing.get_origin(base) is tuple:
-                group.add_argument(flag, dest=dest, default=argparse.SUPPRESS, nargs="+",
-                                   metavar="X", help=help_text + "; space or comma separated")
-            else:
-                metavar = ("{" + ",".join(choices) + "}") if choices else (
-                    f.metadata.get("metavar") or {int: "N", float: "X", bool: "BOOL"}.get(
-                        base, "TEXT"))
-                group.add_argument(flag, dest=dest, default=argparse.SUPPRESS,
-                                   metavar=metavar, help=help_text)
-
-
-def config_from_args(args: argparse.Namespace, command: str) -> Config:
-    """The preset named by ``--preset`` (default quick) with every given flag applied."""
-    config = get_preset(getattr(args, "preset", "quick"))
-    changes: dict[str, dict[str, Any]] = {}
-    for section, cls in _SECTIONS.items():
-        hints = _hints(cls)
-        for f in dataclasses.fields(cls):
-            dest = f"{section}.{f.name}"
-            if not hasattr(args, dest):
-                continue
-            raw, flag, tp = getattr(args, dest), _flag(section, f), hints[f.name]
-            if isinstance(raw, bool):
-                value: Any = raw
-            elif isinstance(raw, list):  # tuple field, nargs="+"
-                items = [x for part in raw for x in part.split(",") if x.strip()]
-                item_type = typing.get_args(tp)[0]
-                value = tuple(_convert(x.strip(), item_type, flag) for x in items)
-            else:
-                value = _convert(raw, tp, flag)
-            changes.setdefault(section, {})[f.name] = value
-    return config.replace(**changes)

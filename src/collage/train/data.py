@@ -16,14 +16,10 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
-from ..cli import UsageError
-
-if TYPE_CHECKING:
-    from .config import DataConfig
+from ..errors import UsageError
+from .config import DataConfig
 
 __all__ = [
     "MASK_ID",

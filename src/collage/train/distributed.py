@@ -1,7 +1,8 @@
 """Data-parallel runs of the harness: ``collage train --nproc N`` under ``torchrun``.
 
 The parent re-executes the same command line under ``python -m torch.distributed.run``
-(PyTorch's own launcher; rendezvous on localhost), and every rank then trains with PyTorch's
+(PyTorch's own launcher; rendezvous on localhost) as ``python -m collage``, whose entry
+point reads the command line back with :func:`launched_argv`; every rank then trains with PyTorch's
 own :class:`~torch.nn.parallel.DistributedDataParallel` (gloo on CPU, NCCL on CUDA). Each
 rank takes an equal slice of every global batch; the loss is normalised by the *global*
 number of target tokens, so that DDP's gradient average equals the single-process
@@ -22,9 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..cli import UsageError
+from ..errors import UsageError
 
-__all__ = ["Ranks", "launch", "setup", "teardown", "under_launcher"]
+__all__ = ["Ranks", "launch", "launched_argv", "setup", "teardown", "under_launcher"]
 
 
 def under_launcher() -> bool:
@@ -45,8 +46,16 @@ def launch(nproc: int, argv: Sequence[str]) -> int:
     options of ours that abbreviate its own (``--nproc`` for ``--nproc-per-node``).
     """
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), "-m", "collage.train.distributed"]
+               "--nproc-per-node", str(nproc), "-m", "collage"]
     return subprocess.call(command, env={**os.environ, ARGV_VARIABLE: json.dumps(list(argv))})
+
+
+def launched_argv() -> list[str] | None:
+    """The command line :func:`launch` handed to this rank; None outside such a rank (the
+    process's own arguments then apply)."""
+    if not under_launcher() or ARGV_VARIABLE not in os.environ:
+        return None
+    return json.loads(os.environ[ARGV_VARIABLE])
 
 
 @dataclass(frozen=True)
@@ -99,9 +108,3 @@ def all_sum(value: torch.Tensor, ranks: Ranks) -> torch.Tensor:
         value = value.clone()
         dist.all_reduce(value)
     return value
-
-
-if __name__ == "__main__":  # one rank started by launch()
-    from ..cli import main
-
-    raise SystemExit(main(json.loads(os.environ[ARGV_VARIABLE])))

@@ -1,6 +1,9 @@
 """Memory: the bytes-per-parameter model of each strategy, and measurements of real runs.
 
-The model counts the tensors that live for the whole run, per parameter element:
+The model counts the tensors that live for the whole run, per parameter element. A collage
+strategy's row is read from its components (``Strategy.components(ADAMW)``: each
+component's bytes in the column of its role, ``ROLE_COLUMNS``), the gradient has the
+weight's dtype; baselines that are not strategies are declared in ``BASELINE_LAYOUTS``:
 
 =========== ======= ========= ================== ============== =====
 strategy    weights gradients optimizer states   compensation   total
@@ -34,6 +37,7 @@ batch size and kernels, and are what the measured peak adds on top.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import resource
 import sys
@@ -42,9 +46,16 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..optim.rules import ADAMW, RULES
+from ..optim.strategies import Component, Strategy, all_strategies
+from ..optim.strategies.strategy import ROLE_COLUMNS, dtype_name
+
 __all__ = [
     "BytesPerParam",
+    "Layout",
     "bytes_per_param",
+    "describe",
+    "layouts",
     "persistent_bytes",
     "peak_rss_bytes",
     "current_rss_bytes",
@@ -54,33 +65,94 @@ __all__ = [
 ]
 
 GRAD_DTYPES = ("bf16", "fp32")
+#: The strategy ``collage memory`` states every total against (the usual mixed precision).
+COMPARED_WITH = "mixed"
 
-# strategy: (weights, optimizer states, compensation, layout description)
-_LAYOUT: dict[str, tuple[int, float, int, str]] = {
-    "fp32": (4, 8, 0, "w fp32 | g fp32 | m, v fp32"),
-    "mixed": (6, 8, 0, "w bf16 + fp32 master | g | m, v fp32"),
-    "bf16": (2, 4, 0, "w bf16 | g | m, v bf16"),
-    "stochastic": (2, 4, 0, "w bf16 (stochastic rounding) | g | m, v bf16"),
-    "kahan": (2, 4, 2, "w bf16 + Kahan buffer bf16 | g | m, v bf16"),
-    "light": (2, 4, 2, "w bf16 + lo bf16 | g | m, v bf16"),
-    "plus": (2, 4, 4, "w bf16 + lo bf16 | g | m, v bf16 + v lo bf16"),
-    "split": (2, 4, 4, "w bf16 + low 16 bits | g | m, v bf16 + v lo bf16"),
-    "plus8": (2, 2 + 8 / 128, 3, "w bf16 + lo bf16 | g | m e4m3, v e5m2 + v lo u8, "
-              "2 fp32 scales per 128"),
-    "torchao-adamw8bit": (2, 2 + 8 / 256, 0, "w bf16 (stochastic rounding) | g | m, v 8-bit "
-                          "(torchao), 2 fp32 scales per 256"),
+
+@dataclass(frozen=True)
+class Layout:
+    """What one strategy (or baseline) keeps per parameter element, besides the gradient:
+    bytes per column and a short description of each side (``weights | g | states``)."""
+
+    weights: float
+    optimizer_states: float
+    compensation: float
+    weight_text: str
+    state_text: str
+    weight_dtype: torch.dtype = torch.bfloat16
+    note: str = ""
+
+
+#: Optimizers the harness runs that are not collage strategies (``build.make_optimizer``):
+#: declared here, as they have no components to read.
+BASELINE_LAYOUTS: dict[str, Layout] = {
+    # torchao's AdamW8bit: 8-bit m and v, a float32 scale per block of 256 for each
+    "torchao-adamw8bit": Layout(2, 2 + 8 / 256, 0, "w bf16 (stochastic rounding)",
+                                "m, v 8-bit (torchao), 2 fp32 scales per 256"),
 }
+
+# the order roles are listed in a layout: the weight side, then the states
+_ROLE_ORDER = ("weight", "master", "low", "compensation", "moment", "moment_low", "scale")
+
+
+def whole(x: float) -> float:
+    """``x`` as an int when it is a whole number (2, not 2.0, in tables and JSON)."""
+    return int(x) if float(x).is_integer() else x
+
+
+def describe(components: Iterable[Component], by_role: bool = True) -> str:
+    """``"w bf16 + lo bf16"``, ``"m, v bf16 + v lo bf16"``: the components by role (joined by
+    ``+``; ``by_role=False``: one list in the given order), neighbours of one dtype sharing
+    it; a dtype already in the label is not repeated, per-block components say their block."""
+    if not by_role:
+        return _runs(list(components))
+    ordered = sorted(components, key=lambda c: _ROLE_ORDER.index(c.role))
+    return " + ".join(_runs(list(of_role))
+                      for _, of_role in itertools.groupby(ordered, key=lambda c: c.role))
+
+
+def _runs(components: list[Component]) -> str:
+    """``"m, v bf16, m scale fp32 per 128"``: neighbours of one dtype and block share them."""
+    runs = []
+    for (dtype, per), same in itertools.groupby(components, key=lambda c: (c.dtype, c.per)):
+        labels = [c.label for c in same]
+        name = dtype_name(dtype)
+        suffix = "" if name in labels[-1] else f" {name}"
+        runs.append(", ".join(labels) + suffix + (f" per {per}" if per > 1 else ""))
+    return ", ".join(runs)
+
+
+def strategy_layout(strategy: Strategy) -> Layout:
+    """The layout of a collage strategy under AdamW, from its components at its default
+    weight dtype: each component's bytes in the column of its role (``ROLE_COLUMNS``)."""
+    weight_dtype = strategy.weight_dtypes[0]
+    columns = dict.fromkeys(("weights", "optimizer_states", "compensation"), 0.0)
+    for component in strategy.components(ADAMW, weight_dtype):
+        columns[ROLE_COLUMNS[component.role]] += component.bytes
+    return Layout(whole(columns["weights"]), whole(columns["optimizer_states"]),
+                  whole(columns["compensation"]),
+                  describe(strategy.weight_components(weight_dtype)),
+                  describe(strategy.state_components(ADAMW, weight_dtype)), weight_dtype,
+                  "; stochastic rounding" if strategy.draws else "")
+
+
+def layouts() -> dict[str, Layout]:
+    """Every strategy's layout (``collage.STRATEGIES`` order), then the baselines'."""
+    return {**{s.name: strategy_layout(s) for s in all_strategies()}, **BASELINE_LAYOUTS}
+
+
+_LAYOUTS = layouts()
 
 
 @dataclass(frozen=True)
 class BytesPerParam:
-    """Persistent bytes per parameter element, by role."""
+    """Persistent bytes per parameter element, by role (whole numbers are ints)."""
 
     strategy: str
-    weights: int
+    weights: float
     gradients: int
     optimizer_states: float  # fractional where block scales are shared (plus8, torchao)
-    compensation: int
+    compensation: float
     layout: str
 
     @property
@@ -96,25 +168,24 @@ def bytes_per_param(strategy: str, grad_dtype: str = "bf16") -> BytesPerParam:
 
     ``grad_dtype`` is the gradient dtype of the low-precision strategies ("bf16": the
     gradient has the weight's dtype, as autograd produces it; "fp32": gradients accumulated
-    in fp32). ``fp32`` always has fp32 gradients.
+    in fp32). A strategy with float32 weights always has fp32 gradients.
     """
-    if strategy not in _LAYOUT:
+    if strategy not in _LAYOUTS:
         raise ValueError(f"strategy {strategy!r} is unknown; valid strategies are: "
-                         + ", ".join(_LAYOUT))
+                         + ", ".join(_LAYOUTS))
     if grad_dtype not in GRAD_DTYPES:
         raise ValueError(f"grad_dtype {grad_dtype!r} is unknown; valid: " + ", ".join(GRAD_DTYPES))
-    weights, states, comp, layout = _LAYOUT[strategy]
-    grads = 4 if (strategy == "fp32" or grad_dtype == "fp32") else 2
-    if grad_dtype == "fp32" and strategy != "fp32":
-        layout = layout.replace("| g |", "| g fp32 |")
-    else:
-        layout = layout.replace("| g |", "| g bf16 |")
-    return BytesPerParam(strategy, weights, grads, states, comp, layout)
+    layout = _LAYOUTS[strategy]
+    grad = torch.float32 if grad_dtype == "fp32" else layout.weight_dtype
+    text = (f"{layout.weight_text} | g {dtype_name(grad)} | {layout.state_text}"
+            f"{layout.note}")
+    return BytesPerParam(strategy, layout.weights, grad.itemsize, layout.optimizer_states,
+                         layout.compensation, text)
 
 
 def memory_table(n_params: float, strategies: Iterable[str], grad_dtype: str = "bf16") -> str:
     """A plain-text table of bytes per parameter and totals for ``n_params`` parameters."""
-    baseline = bytes_per_param("mixed", grad_dtype).total * n_params
+    baseline = bytes_per_param(COMPARED_WITH, grad_dtype).total * n_params
     strategies = list(strategies)
     width = max([11] + [len(name) for name in strategies])
     header = (f"{'strategy':<{width}} {'weights':>7} {'grads':>5} {'states':>6} {'comp':>4} "
@@ -164,14 +235,27 @@ def _tensors(obj: object) -> Iterable[torch.Tensor]:
 ROLES = ("weights", "master", "gradients", "optimizer_states", "compensation", "buffers")
 
 
+def _state_roles() -> dict[str, str]:
+    """The role of every state key a collage strategy keeps, under any rule: ``master``
+    apart (mixed's fp32 copy), the rest by its component's column (``ROLE_COLUMNS``)."""
+    roles = {}
+    for strategy in all_strategies():
+        for rule in RULES.values():
+            for component in strategy.components(rule):
+                if component.key != "param":
+                    roles[component.key] = ("master" if component.role == "master"
+                                            else ROLE_COLUMNS[component.role])
+    return roles
+
+
+_STATE_ROLES = _state_roles()
+
+
 def _state_role(key: object) -> str:
-    """The role of an optimizer-state entry, by its key (collage's names; others: states)."""
-    if key == "master":
-        return "master"
-    if key in ("compensation", "weight_low_bits") or (isinstance(key, str)
-                                                      and key.endswith("_lo")):
-        return "compensation"
-    return "optimizer_states"
+    """The role of an optimizer-state entry, by its key (collage's components; any other
+    key, the step counters and other optimizers' states: optimizer states)."""
+    return _STATE_ROLES.get(key, "optimizer_states") if isinstance(key, str) \
+        else "optimizer_states"
 
 
 def persistent_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -181,10 +265,11 @@ def persistent_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     Walks the model's parameters and buffers, their ``.grad``, and every tensor in
     ``optimizer.state``; a storage shared by several tensors (tied weights, views into a
     flat buffer) counts once, under the first role that reaches it. Optimizer-state entries
-    are sorted by key: ``master`` (mixed's fp32 copy), compensation (``weight_lo``,
-    ``compensation``, ``weight_low_bits``, ``*_lo``) and optimizer states (moments, step
-    counters). Returns bytes per role (:data:`ROLES`), ``total``, ``model_total`` (all but
-    buffers: what :func:`bytes_per_param` models) and ``n_params``.
+    are sorted by key, as the strategies' components declare them: ``master`` (mixed's
+    fp32 copy), compensation (``weight_lo``, ``compensation``, ``weight_low_bits``, a
+    state's ``*_lo``) and optimizer states (moments, scales, step counters). Returns bytes
+    per role (:data:`ROLES`), ``total``, ``model_total`` (all but buffers: what
+    :func:`bytes_per_param` models) and ``n_params``.
     """
     seen: set[tuple[str, int]] = set()
     out = dict.fromkeys(ROLES, 0)
@@ -246,7 +331,7 @@ class TensorMemoryProbe:
     CUDA: ``torch.cuda.max_memory_allocated`` (the caching allocator's own statistic).
     CPU: torch keeps no allocator statistic, but its profiler records every allocation and
     free of the CPU allocator with its size; the probe profiles the window (memory events
-    only: one step costs a few ms more) and replays the events in time order on top of
+    only, to keep the profiler's own cost small) and replays the events in time order on top of
     ``base_bytes``, the exact bytes of the tensors alive when the window opens (the caller
     passes :func:`persistent_bytes`: weights, optimizer states, buffers). Tensors that exist
     before the window and are not in ``base_bytes`` (the data set, a float32 copy of the

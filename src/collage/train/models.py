@@ -17,19 +17,17 @@ kernels do), so the same code runs in float32 and in bfloat16.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-if TYPE_CHECKING:
-    from .config import ModelConfig
+from ..errors import UsageError
+from .config import FAMILIES, ModelConfig
 
 __all__ = ["FAMILIES", "GPT", "Llama", "Bert", "build_model", "logits_of", "is_causal"]
-
-FAMILIES = ("gpt", "llama", "bert")
 
 
 class RMSNorm(nn.Module):
@@ -420,8 +418,6 @@ def _build_hf(cfg: ModelConfig, vocab_size: int) -> nn.Module:
     try:
         import transformers
     except ImportError as error:
-        from ..cli import UsageError
-
         raise UsageError("--hf needs transformers: pip install 'torch-collage[hf]'") from error
     common = dict(vocab_size=vocab_size, tie_word_embeddings=cfg.tie_weights)
     if cfg.family == "gpt":
