@@ -45,9 +45,8 @@ def test_bench_optimizer_small_json(capsys):
 
 
 def test_bench_optimizer_slow_paths(capsys):
-    """``reference`` rows run ``reference=True`` (not for fp32, whose reference is the
-    float32 kernel), ``per_tensor`` rows ``foreach=False``: each row's path is the one it
-    names."""
+    """``reference`` rows run ``reference=True`` (fp32 too: the research form in float32),
+    ``per_tensor`` rows ``foreach=False``: each row's path is the one it names."""
     code = main(["bench", "optimizer", "--size", "small", "--repeats", "1", "--json",
                  "--strategies", "fp32,stochastic", "--paths", "per_tensor,reference",
                  "--baselines", "", "--warmup", "1", "--slow-repeats", "1",
@@ -56,6 +55,7 @@ def test_bench_optimizer_slow_paths(capsys):
     (block,) = json.loads(capsys.readouterr().out)["sizes"]
     paths = {r["key"]: r["backend"] for r in block["rows"] if r["key"].startswith("collage")}
     assert paths == {"collage:fp32:per_tensor": "per_tensor",
+                     "collage:fp32:reference": "reference",
                      "collage:stochastic:per_tensor": "per_tensor",
                      "collage:stochastic:reference": "reference"}
 

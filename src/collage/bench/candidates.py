@@ -130,14 +130,12 @@ def _baseline_rows(baselines) -> list[Candidate]:
 
 def candidates(strategies=STRATEGIES, paths=DEFAULT_PATHS, baselines=BASELINES,
                check_row: bool = True) -> list[Candidate]:
-    """The baselines that are installed, then every strategy on every path (the reference
-    path only where it differs from the float32 kernel), then ``plus+check``."""
+    """The baselines that are installed, then every strategy on every path, then
+    ``plus+check``."""
     rows = _baseline_rows(baselines)
     for path in paths:
         for name in strategies:
             strategy = get_strategy(name)
-            if path == "reference" and strategy.reference_in_float32:
-                continue  # fp32 and mixed: the reference *is* the float32 kernel
             label = f"collage {name} ({path})"
             if path == "reference":
                 label += " = research algorithm"
