@@ -110,6 +110,7 @@ class CollageOptimizer(Optimizer):
             raise ValueError("foreach=True and fused=True are exclusive; set at most one")
         if group["reference"] and group["fused"]:
             raise ValueError("reference=True and fused=True are exclusive; set at most one")
+        _refuse_unsupported(group)
         for name, param in zip(self._param_names(group, index), group["params"]):
             if param.is_complex():
                 raise TypeError(f"parameter {name!r} is complex; collage optimizers support "
@@ -136,9 +137,9 @@ class CollageOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        batches = self._gather()
         self._check_hyperparameters()
-        self._convert_strategies()
+        self._convert_strategies()  # before gathering: the items hold the states
+        batches = self._gather()
         sharded = shard_group(item.param for _, _, items in batches for item in items)
         if not self._gradients_usable(batches, sharded):
             return loss
@@ -353,6 +354,23 @@ class CollageOptimizer(Optimizer):
         self._caches = {}
         self._warned = False
         self._finite_proof = None
+
+
+#: torch.optim's keywords whose True is not implemented, and why
+_UNSUPPORTED = {
+    "amsgrad": "AMSGrad's running maximum of the second moment is not implemented; use "
+               "amsgrad=False",
+    "capturable": "step counters and coefficients live on the host (CUDA graph capture is "
+                  "not supported); use capturable=False",
+    "differentiable": "steps run under torch.no_grad(), as torch.optim's do by default; use "
+                      "differentiable=False",
+}
+
+
+def _refuse_unsupported(group: dict) -> None:
+    for key, why in _UNSUPPORTED.items():
+        if group.get(key, False):
+            raise NotImplementedError(f"{key}=True: {why}")
 
 
 def _refuse_duplicates(group: dict, index: int, names: list[str]) -> None:

@@ -58,24 +58,22 @@ def consolidate(model: torch.nn.Module, optimizer: CollageOptimizer) -> dict[str
 
 @torch.no_grad()
 def load_full_precision(model: torch.nn.Module, optimizer: CollageOptimizer,
-                        state_dict: dict[str, torch.Tensor]) -> None:
+                        state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
     """Set every parameter, and its compensation, from full-precision values exactly.
 
     The inverse of :func:`consolidate`: an MCF pair gets ``split(value, dtype, 2)``, a master
     gets the value, split gets the float32 value's two halves, kahan gets the rounding residue.
     Optimizer moments are created if absent and otherwise left alone. Buffers are copied.
+
+    Every value is checked before anything is set: each parameter needs a floating-point,
+    finite value of its shape; with ``strict`` (default) a key that is neither a parameter
+    nor a buffer of ``model`` is an error too (``strict=False`` ignores such keys).
     """
     groups = _groups_by_param(optimizer)
     named = dict(model.named_parameters())
-    missing = [name for name in named if name not in state_dict]
-    if missing:
-        raise KeyError(f"state_dict has no value for parameter(s) {missing[:5]}; pass the "
-                       "output of collage.consolidate or a float32 model.state_dict()")
+    _check_full_state(model, named, state_dict, strict)
     for name, param in named.items():
         value = state_dict[name]
-        if tuple(value.shape) != tuple(param.shape):
-            raise ValueError(f"state_dict[{name!r}] has shape {tuple(value.shape)} but the "
-                             f"parameter has {tuple(param.shape)}")
         group = groups.get(id(param))
         if group is None:
             param.copy_(value)
@@ -90,6 +88,31 @@ def load_full_precision(model: torch.nn.Module, optimizer: CollageOptimizer,
     for name, buffer in model.named_buffers():
         if name in state_dict:
             buffer.copy_(state_dict[name])
+
+
+def _check_full_state(model, named: dict, state_dict: dict, strict: bool) -> None:
+    missing = [name for name in named if name not in state_dict]
+    if missing:
+        raise KeyError(f"state_dict has no value for parameter(s) {missing[:5]}; pass the "
+                       "output of collage.consolidate or a float32 model.state_dict()")
+    if strict:
+        known = set(named) | {name for name, _ in model.named_buffers()}
+        extra = sorted(set(state_dict) - known)
+        if extra:
+            raise KeyError(f"state_dict has key(s) {extra[:5]} that are not parameters or "
+                           "buffers of the model; pass strict=False to ignore them")
+    for name, param in named.items():
+        value = state_dict[name]
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            kind = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise TypeError(f"state_dict[{name!r}] is {kind}; a parameter needs a "
+                            "floating-point tensor")
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"state_dict[{name!r}] has shape {tuple(value.shape)} but the "
+                             f"parameter has {tuple(param.shape)}")
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"state_dict[{name!r}] holds inf or nan; a full-precision state "
+                             "must be finite")
 
 
 def _local_slice(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

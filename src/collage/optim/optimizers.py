@@ -37,8 +37,9 @@ class AdamW(CollageOptimizer):
     __doc__ = (
         """AdamW (decoupled weight decay, Loshchilov & Hutter) under a precision strategy.
 
-    Same arguments and semantics as ``torch.optim.AdamW`` (``params`` may be
-    ``model.named_parameters()`` or param groups), plus:
+    Same arguments, positional order and semantics as ``torch.optim.AdamW`` (``params`` may
+    be ``model.named_parameters()`` or param groups); ``amsgrad=True``, ``capturable=True``
+    and ``differentiable=True`` are not implemented and raise ``NotImplementedError``. Plus:
 
     weight_decay_style: how the reference path (``reference=True``, the research code's
         algorithm) applies weight decay: ``"compact"`` (default: ``- lr * wd * w`` folded
@@ -58,20 +59,24 @@ class AdamW(CollageOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
-        weight_decay_style: str = "compact",
-        strategy: str = "plus",
         maximize: bool = False,
         foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
         fused: bool | None = None,
+        weight_decay_style: str = "compact",
+        strategy: str = "plus",
         reference: bool = False,
         track_updates: bool | int = False,
         nonfinite: str = "skip",
         seed: int = 0,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
-                        eps=eps, weight_decay=weight_decay,
-                        weight_decay_style=weight_decay_style, maximize=maximize)
+                        eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        weight_decay_style=weight_decay_style, maximize=maximize,
+                        capturable=capturable, differentiable=differentiable)
         super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
                          reference=reference, track_updates=track_updates,
                          nonfinite=nonfinite, seed=seed)
@@ -79,8 +84,10 @@ class AdamW(CollageOptimizer):
 
 class SGD(CollageOptimizer):
     __doc__ = (
-        """SGD with momentum, dampening and Nesterov, as ``torch.optim.SGD``, under a
-    precision strategy (weight decay is coupled, as in torch.optim.SGD). Extra arguments:
+        """SGD with momentum, dampening and Nesterov, as ``torch.optim.SGD`` (the same
+    arguments and positional order; ``differentiable=True`` raises ``NotImplementedError``),
+    under a precision strategy (weight decay is coupled, as in torch.optim.SGD). Extra
+    arguments:
     """
         + _SHARED_DOC
     )
@@ -96,17 +103,19 @@ class SGD(CollageOptimizer):
         weight_decay: float = 0.0,
         nesterov: bool = False,
         *,
-        strategy: str = "plus",
         maximize: bool = False,
         foreach: bool | None = None,
+        differentiable: bool = False,
         fused: bool | None = None,
+        strategy: str = "plus",
         reference: bool = False,
         track_updates: bool | int = False,
         nonfinite: str = "skip",
         seed: int = 0,
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
-                        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
+                        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+                        differentiable=differentiable)
         super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
                          reference=reference, track_updates=track_updates,
                          nonfinite=nonfinite, seed=seed)
