@@ -14,12 +14,15 @@ gradient in bf16 four ways and prints ``v / ((1 - beta2**t) * g**2)`` (1.0 is ex
 * ``research plus, fixed split``: the same with only the split fixed (isolates defect 2);
 * ``bf16``: a plain bf16 EMA (beta2 rounds to bf16 first, as a bf16 multiply does).
 
-Usage: ``python benchmarks/research_plus.py [--steps 3000]``
+Usage: ``python benchmarks/research_plus.py [--steps 3000] [--check]`` (``--check``: exit 1
+if the table in docs/research_plus.md differs; tests/test_docs_claims.py runs it)
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
@@ -33,16 +36,16 @@ def rn(x: torch.Tensor) -> torch.Tensor:
 
 
 def collage_plus(v, v_lo, beta2, inc):
-    beta_hi = rn(torch.tensor(beta2))
+    beta_hi = rn(beta2)
     beta_lo = rn(torch.tensor(beta2) - beta_hi.double())
     v, v_lo = mcf.mul(v, v_lo, beta_hi, beta_lo)
     return mcf.grow(v, v_lo, inc)
 
 
 def research_plus(v, v_lo, beta2, inc, fixed_split=False):
-    beta_hi = rn(torch.tensor(beta2))
-    reference = beta_hi.double() if fixed_split else torch.tensor(beta2, dtype=torch.float32).double()
-    beta_lo = rn(torch.tensor(beta2, dtype=torch.float64) - reference)
+    beta_hi = rn(beta2)
+    reference = beta_hi.double() if fixed_split else beta2.float().double()
+    beta_lo = rn(beta2 - reference)
     product = rn(v.double() * beta_hi.double())  # v is overwritten by its product here ...
     error = rn(product.double() * beta_hi.double() - product.double())  # ... so this is not
     # the product's rounding error (it uses the new v): zero when beta_hi == 1.
@@ -54,17 +57,21 @@ def research_plus(v, v_lo, beta2, inc, fixed_split=False):
 
 
 def bf16_ema(v, beta2, inc):
-    return rn(rn(v.double() * rn(torch.tensor(beta2)).double()).double() + inc.double())
+    return rn(rn(v.double() * rn(beta2).double()).double() + inc.double())
 
 
-def run(beta2: float, steps: int, g: float = 1.0) -> dict[str, list[float]]:
+def run(betas: tuple[float, ...], steps: int, g: float = 1.0
+        ) -> dict[float, dict[str, list[float]]]:
+    """For each beta2: each variant's v / ((1 - beta2**t) g**2) at t = 10, 100, 1000 and
+    ``steps`` (every beta2 at once: the arithmetic is elementwise)."""
+    beta2 = torch.tensor(betas, dtype=torch.float64)
     grad = rn(torch.tensor(g))
-    inc = rn(rn(torch.tensor(1 - beta2)).double() * rn(grad.double() * grad.double()).double())
-    zero = torch.zeros((), dtype=BF16)
+    inc = rn(rn(1 - beta2).double() * rn(grad.double() * grad.double()).double())
+    zero = torch.zeros(len(betas), dtype=BF16)
     state = {"collage plus": (zero, zero), "research plus": (zero, zero),
              "research plus, fixed split": (zero, zero), "bf16": zero}
     checkpoints = {10, 100, 1000, steps}
-    out: dict[str, list[float]] = {name: [] for name in state}
+    out = {b: {name: [] for name in state} for b in betas}
     for t in range(1, steps + 1):
         state["collage plus"] = collage_plus(*state["collage plus"], beta2, inc)
         state["research plus"] = research_plus(*state["research plus"], beta2, inc)
@@ -74,23 +81,47 @@ def run(beta2: float, steps: int, g: float = 1.0) -> dict[str, list[float]]:
         if t in checkpoints:
             exact = (1 - beta2**t) * g * g
             for name, value in state.items():
-                total = sum(x.double() for x in value) if isinstance(value, tuple) else value.double()
-                out[name].append(float(total) / exact)
+                total = sum(x.double() for x in value) if isinstance(value, tuple) \
+                    else value.double()
+                for i, b in enumerate(betas):
+                    out[b][name].append(float(total[i] / exact[i]))
     return out
 
 
-def main() -> None:
+def report(steps: int) -> str:
+    columns = sorted({10, 100, 1000, steps})
+    lines = ["v / ((1 - beta2**t) g**2), constant g = 1, bf16 components"]
+    results = run((0.95, 0.99, 0.999), steps)
+    for beta2, variants in results.items():
+        lines += ["", f"beta2 = {beta2}",
+                  f"{'':28s}" + "".join(f"t={t:<8d}" for t in columns)]
+        for name, values in variants.items():
+            lines.append(f"{name:28s}" + "".join(f"{v:<10.4f}" for v in values))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _documented() -> str:
+    """The table in docs/research_plus.md: the first fenced block after "## The numbers"."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "research_plus.md").read_text()
+    block = text[text.index("## The numbers"):]
+    start = block.index("```\n") + 4
+    return "\n".join(line.rstrip() for line in block[start:block.index("```", start)]
+                     .strip().splitlines())
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3000)
-    args = parser.parse_args()
-    columns = sorted({10, 100, 1000, args.steps})
-    print("v / ((1 - beta2**t) g**2), constant g = 1, bf16 components")
-    for beta2 in (0.95, 0.99, 0.999):
-        print(f"\nbeta2 = {beta2}")
-        print(f"{'':28s}" + "".join(f"t={t:<8d}" for t in columns))
-        for name, values in run(beta2, args.steps).items():
-            print(f"{name:28s}" + "".join(f"{v:<10.4f}" for v in values))
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if docs/research_plus.md's table differs")
+    args = parser.parse_args(argv)
+    measured = report(args.steps)
+    if args.check and measured != _documented():
+        print("docs/research_plus.md's table differs from:\n" + measured, file=sys.stderr)
+        return 1
+    print(measured)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

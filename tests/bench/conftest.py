@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from collage.optim import native
 
 
 @pytest.fixture(autouse=True)
@@ -16,10 +15,3 @@ def _single_thread():
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-@pytest.fixture
-def inductor_only(monkeypatch):
-    """The fused path with compiled (inductor) kernels on CPU too (not
-    collage.optim.native's)."""
-    monkeypatch.setattr(native, "covers", lambda *args, **kwargs: False)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from collage.optim import native
+
 
 @pytest.fixture(autouse=True)
 def _single_thread():
@@ -18,3 +20,9 @@ def _single_thread():
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def inductor_only(monkeypatch):
+    """The fused path with compiled (inductor) kernels on CPU too (not the native ones)."""
+    monkeypatch.setattr(native, "covers", lambda *args, **kwargs: False)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import collage
+from collage import mcf
 from collage.mcf import format_info, ulp
 from collage.optim import kernels
 from collage.optim.strategies import get_strategy
@@ -28,6 +29,8 @@ def path_kwargs(path: str) -> dict:
         "reference": {"reference": True, "fused": False},
         "foreach": {"foreach": True, "fused": False},
         "fused": {"foreach": False, "fused": True},
+        "per_tensor": {"foreach": False},
+        "default": {},
     }[path]
 
 
@@ -105,8 +108,9 @@ def assert_unchanged(before: dict, opt: torch.optim.Optimizer, *,
 def normalisation_violations(strategy: str, param: torch.Tensor, state: dict) -> list[str]:
     """Check the non-overlap invariants of a parameter's components; return what fails.
 
-    * light/plus: ``|weight_lo| <= ulp(weight)/2`` (ulp in the weight dtype, of the hi part);
-    * plus/split: ``|exp_avg_sq_lo| <= ulp(exp_avg_sq)/2`` (and likewise Lion's ``exp_avg``);
+    * light/plus, kahan: the pair (weight, weight_lo or compensation) is canonical: the
+      weight is ``hi + lo`` rounded to nearest, ties to even (so ``|lo| <= ulp(weight)/2``);
+    * plus/split: ``exp_avg_sq``'s pair likewise (and Lion's ``exp_avg``);
     * split: the visible weight is the float32 master rounded to nearest:
       ``|master - weight| <= ulp(weight)/2``;
     * mixed: the visible weight is the master rounded to nearest (``weight == fl(master)``).
@@ -116,24 +120,31 @@ def normalisation_violations(strategy: str, param: torch.Tensor, state: dict) ->
     failures = []
     w = param.detach()
 
-    def check_pair(name: str, hi: torch.Tensor, lo: torch.Tensor) -> None:
+    def check_pair(name: str, hi: torch.Tensor, lo: torch.Tensor, canonical: bool = True
+                   ) -> None:
         finite = torch.isfinite(hi)
         bound = ulp(hi) / 2
         bad = finite & ~(lo.double().abs() <= bound)
+        if canonical:  # hi is the nearest (ties to even) of hi + lo, computed exactly
+            # (compared as values: -0.0 + +0.0 is +0.0, the sign of a zero aside)
+            nearest = mcf.round_to(hi.double() + lo.double(), hi.dtype)
+            bad |= finite & (nearest != hi)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0]) if bad.dim() else 0
             h, l_ = hi.reshape(-1)[i].item(), lo.reshape(-1)[i].item()
-            failures.append(f"{name}: |lo| > ulp(hi)/2 at {int(bad.sum())} element(s), "
+            failures.append(f"{name}: not canonical at {int(bad.sum())} element(s), "
                             f"e.g. hi={h!r} lo={l_!r} ulp/2={bound.reshape(-1)[i].item()!r}")
 
     if "weight_lo" in state:
         check_pair("weight", w, state["weight_lo"])
+    if "compensation" in state:
+        check_pair("kahan", w, state["compensation"])
     for key in list(state):
         if key.endswith("_lo") and key != "weight_lo":
             check_pair(key[:-3], state[key[:-3]], state[key])
     if "weight_low_bits" in state:
         master = kernels.represented_value(get_strategy(strategy), w, state)
-        check_pair("split master", w, (master - w.double()))
+        check_pair("split master", w, (master - w.double()), canonical=False)
     if "master" in state:
         rounded = state["master"].to(w.dtype)
         finite = torch.isfinite(state["master"])

@@ -294,13 +294,23 @@ def test_ulp_of_hi_is_the_bound_used():
 
 
 def test_normalisation_checker_catches_a_bad_pair():
-    """The checker used above is not vacuous: an overlapping pair and a mis-rounded mixed
-    copy are reported."""
+    """The checker used above is not vacuous: an overlapping pair, a pair that is not
+    canonical (its sum rounds to another weight: a tie beside an odd weight, or a low part
+    that reaches the next value below a power of two) and a mis-rounded mixed copy are
+    reported."""
     w = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
-    good = {"weight_lo": torch.tensor([2.0**-8, -(2.0**-7)], dtype=torch.bfloat16)}
+    # a tie beside an even weight stays; 2 - 2**-9 rounds to 2
+    good = {"weight_lo": torch.tensor([2.0**-8, -(2.0**-9)], dtype=torch.bfloat16)}
     assert normalisation_violations("light", w, good) == []
     bad = {"weight_lo": torch.tensor([2.0**-7, 0.0], dtype=torch.bfloat16)}
     assert len(normalisation_violations("light", w, bad)) == 1
+    # 2 - 2**-7 is the bf16 value below 2: that pair is not canonical
+    below = {"weight_lo": torch.tensor([0.0, -(2.0**-7)], dtype=torch.bfloat16)}
+    assert len(normalisation_violations("light", w, below)) == 1
+    odd = torch.tensor([1.0 + 2.0**-7], dtype=torch.bfloat16)  # a tie beside an odd weight
+    tie = {"weight_lo": torch.tensor([2.0**-8], dtype=torch.bfloat16)}
+    assert len(normalisation_violations("light", odd, tie)) == 1
+    assert len(normalisation_violations("kahan", odd, {"compensation": tie["weight_lo"]})) == 1
     v = {"exp_avg_sq": torch.tensor([1.0], dtype=torch.bfloat16),
          "exp_avg_sq_lo": torch.tensor([-(2.0**-6)], dtype=torch.bfloat16)}
     assert len(normalisation_violations("plus", w[:1], v)) == 1

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .arith import axpy, axpy_
 
 __all__ = ["Rule", "StateSpec", "ADAMW", "SGD", "LION", "RULES", "number", "check_betas",
            "WEIGHT_DECAY_STYLES"]
@@ -194,7 +195,9 @@ class SGDRule(Rule):
     name = "sgd"
     title = "SGD"
     states = (StateSpec("momentum_buffer", False, "momentum"),)
-    static = frozenset({"weight_decay", "momentum", "nesterov", "first_step"})
+    # the kernels branch on these (structure, never a scheduler's value): a momentum that
+    # OneCycleLR cycles or a new weight decay is data, never a recompilation
+    static = frozenset({"has_weight_decay", "has_momentum", "nesterov"})
 
     def validate(self, hyper: Mapping) -> None:
         super().validate(hyper)
@@ -213,29 +216,35 @@ class SGDRule(Rule):
             "weight_decay": group["weight_decay"],
             "momentum": group["momentum"],
             "one_minus_dampening": 1 - group["dampening"],
-            "nesterov": float(group["nesterov"]),
             "first_step": float(step == 1),
+            "has_weight_decay": group["weight_decay"] != 0,
+            "has_momentum": group["momentum"] != 0,
+            "nesterov": bool(group["nesterov"]),
         }
 
     def fast(self, weight, grad, states, c):
-        # torch.optim.SGD's operations with the same (static) alphas: each add_(x, alpha=a)
-        # is one fused multiply-add on CPU, so the fp32 strategy matches it bit for bit.
-        if c["weight_decay"] != 0:
-            grad = grad.add(weight, alpha=c["weight_decay"])
-        if c["momentum"] != 0:
+        # torch.optim.SGD's operations: each add_(x, alpha=a) is one fused multiply-add on
+        # CPU (axpy: also with a tensor alpha), so the fp32 strategy matches it bit for bit
+        if c["has_weight_decay"]:
+            grad = axpy(grad, weight, c["weight_decay"])
+        if c["has_momentum"]:
             buf = states["momentum_buffer"]
-            if c["first_step"]:
+            first = c["first_step"]
+            if isinstance(first, torch.Tensor):  # compiled: a select, not a branch on data
+                later = axpy_(buf.mul(c["momentum"]), grad, c["one_minus_dampening"])
+                buf.copy_(torch.where(first > 0, grad, later))
+            elif first:
                 buf.copy_(grad)
             else:
-                buf.mul_(c["momentum"]).add_(grad, alpha=c["one_minus_dampening"])
-            grad = grad.add(buf, alpha=c["momentum"]) if c["nesterov"] else buf
+                axpy_(buf.mul_(c["momentum"]), grad, c["one_minus_dampening"])
+            grad = axpy(grad, buf, c["momentum"]) if c["nesterov"] else buf
         return 1.0, grad, -c["lr"]
 
     def reference(self, weight, grad, states, c, slow_ema):
         # torch.optim.SGD's single-tensor operations on the stored states
-        if c["weight_decay"] != 0:
+        if c["has_weight_decay"]:
             grad = grad.add(weight, alpha=c["weight_decay"])
-        if c["momentum"] != 0:
+        if c["has_momentum"]:
             buf = states["momentum_buffer"]
             if c["first_step"]:
                 buf.copy_(grad)

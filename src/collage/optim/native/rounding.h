@@ -25,6 +25,17 @@ static inline uint16_t bf_round(float x) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* A pair (hi, lo) in canonical form (strategies.strategy.normalize_pair): hi the nearest
+ * (ties to even) of hi + lo, lo the exact rest; lo = +0 where hi is not finite. hi + lo is
+ * exact in float32 for the pairs the kernels make, and so is the rest. */
+static inline void bf_normalize(uint16_t *hi, uint16_t *lo) {
+    float total = bf_load(*hi) + bf_load(*lo);
+    uint16_t nearest = bf_round(total);
+    float nf = bf_load(nearest);
+    *lo = finite_bits(u_of(nf)) ? bf_round(total - nf) : 0;
+    *hi = nearest;
+}
+
 /* lowbias32 (C. Wellons): fused._mix32 on uint32 (wrapping multiplies, logical shifts) */
 #define MIX32_C1 0x7FEB352Du
 #define MIX32_C2 0x846CA68Bu
@@ -164,6 +175,16 @@ static inline __attribute__((always_inline)) __m256i v_residual(
     __m512 x, __m512 hi, const int exact, __mmask16 *bad) {
     __m512 r = _mm512_maskz_mov_ps(v_finite(hi), _mm512_sub_ps(x, hi));
     return v_round(r, exact, bad);
+}
+
+/* bf_normalize on 16 lanes */
+static inline __attribute__((always_inline)) void v_normalize(__m256i *hi, __m256i *lo,
+                                                              const int exact,
+                                                              __mmask16 *bad) {
+    __m512 total = _mm512_add_ps(v_widen(*hi), v_widen(*lo));
+    __m256i nearest = v_round(total, exact, bad);
+    *lo = v_residual(total, v_widen(nearest), exact, bad);
+    *hi = nearest;
 }
 
 /* the lane numbers 0 .. 15, and the element offsets of a block of 32 split into its even
@@ -430,6 +451,17 @@ static inline __attribute__((always_inline)) __m512i v_residual2(const vcoeffs *
     vpair r = {_mm512_maskz_sub_ps(v_finite(hi.e), x.e, hi.e),
                _mm512_maskz_sub_ps(v_finite(hi.o), x.o, hi.o)};
     return v_round2(c, r, exact, bad);
+}
+
+/* bf_normalize on 32 packed elements; v_round2_high as in a landing: the rest's class test
+ * subsumes the sum's */
+static inline __attribute__((always_inline)) void v_normalize2(const vcoeffs *c, __m512i *hi,
+                                                               __m512i *lo, const int exact,
+                                                               __mmask16 *bad) {
+    vpair h = v_split(*hi), l = v_split(*lo);
+    vpair total = {_mm512_add_ps(h.e, l.e), _mm512_add_ps(h.o, l.o)};
+    *hi = v_round2_high(c, total, exact, bad);
+    *lo = v_residual2(c, total, v_split(*hi), exact, bad);
 }
 
 /* v_stochastic32 of 32 elements (even and odd, with ``he``, ``ho`` of v_hash2, whose top

@@ -184,10 +184,12 @@ static inline __attribute__((always_inline)) void scalar_element(
         float corrected = increment + x0;
         uint16_t hi = bf_round(W + corrected);
         float hf = bf_load(hi);
+        uint16_t lo = finite_bits(u_of(hf)) ? bf_round(corrected - (hf - W)) : 0;
+        bf_normalize(&hi, &lo);
         wb[i] = hi;
-        xb[i] = finite_bits(u_of(hf)) ? bf_round(corrected - (hf - W)) : 0;
-        r1 = v1 = hf;
-        x1 = bf_load(xb[i]);
+        xb[i] = lo;
+        r1 = v1 = bf_load(hi);
+        x1 = bf_load(lo);
         break;
     }
     case S_LIGHT:
@@ -198,10 +200,12 @@ static inline __attribute__((always_inline)) void scalar_element(
         float nw = (decay ? W * h[H_DECAY] : W) + u;
         uint16_t hi = bf_round(nw);
         float hf = bf_load(hi);
+        uint16_t lo = finite_bits(u_of(hf)) ? bf_round(nw - hf) : 0;
+        bf_normalize(&hi, &lo);
         wb[i] = hi;
-        xb[i] = finite_bits(u_of(hf)) ? bf_round(nw - hf) : 0;
-        r1 = v1 = hf;
-        x1 = bf_load(xb[i]);
+        xb[i] = lo;
+        r1 = v1 = bf_load(hi);
+        x1 = bf_load(lo);
         break;
     }
     case S_SPLIT: {
@@ -219,11 +223,13 @@ static inline __attribute__((always_inline)) void scalar_element(
     } else {
         ((uint16_t *)row[T_M])[i] = bf_round(m);
         uint16_t vh = bf_round(v);
-        ((uint16_t *)row[T_V])[i] = vh;
         if (S == S_PLUS || S == S_SPLIT) {
             float vf = bf_load(vh);
-            ((uint16_t *)row[T_VLO])[i] = finite_bits(u_of(vf)) ? bf_round(v - vf) : 0;
+            uint16_t vl = finite_bits(u_of(vf)) ? bf_round(v - vf) : 0;
+            bf_normalize(&vh, &vl);
+            ((uint16_t *)row[T_VLO])[i] = vl;
         }
+        ((uint16_t *)row[T_V])[i] = vh;
     }
     if (MEAS) {
         float d = u - W * h[H_LR_WD];

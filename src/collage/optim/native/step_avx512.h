@@ -53,6 +53,7 @@ static inline __attribute__((always_inline)) __mmask16 vector_land(
         /* what the rounded add failed to land: exact (Sterbenz), +0 where hi is inf/nan */
         __m512 lost = _mm512_sub_ps(corrected, _mm512_sub_ps(hf, W));
         o->x = v_round(_mm512_maskz_mov_ps(v_finite(hf), lost), exact, &bad);
+        v_normalize(&o->w, &o->x, exact, &bad);
         break;
     }
     case S_LIGHT:
@@ -60,6 +61,7 @@ static inline __attribute__((always_inline)) __mmask16 vector_land(
         __m512 nw = _mm512_add_ps(_mm512_mask_mul_ps(W, c->decays, W, c->decay), u);
         o->w = v_round(nw, exact, &bad);
         o->x = v_residual(nw, v_widen(o->w), exact, &bad);
+        v_normalize(&o->w, &o->x, exact, &bad);
         break;
     }
     case S_SPLIT: { /* W: the decoded float32 master */
@@ -77,7 +79,10 @@ static inline __attribute__((always_inline)) __mmask16 vector_land(
     } else {
         o->m = v_round(m, exact, &bad);
         o->v = v_round(v, exact, &bad);
-        if (S == S_PLUS || S == S_SPLIT) o->vlo = v_residual(v, v_widen(o->v), exact, &bad);
+        if (S == S_PLUS || S == S_SPLIT) {
+            o->vlo = v_residual(v, v_widen(o->v), exact, &bad);
+            v_normalize(&o->v, &o->vlo, exact, &bad);
+        }
     }
     return bad;
 }
@@ -298,6 +303,7 @@ static inline __attribute__((always_inline)) __mmask16 pair_land(
             vpair lost = {_mm512_sub_ps(corrected.e, _mm512_sub_ps(hf.e, W.e)),
                           _mm512_sub_ps(corrected.o, _mm512_sub_ps(hf.o, W.o))};
             o->x = v_round2_unmasked(c, lost, &bad);
+            v_normalize2(c, &o->w, &o->x, exact, &bad);
             break;
         }
 #endif
@@ -306,6 +312,7 @@ static inline __attribute__((always_inline)) __mmask16 pair_land(
                       _mm512_maskz_sub_ps(v_finite(hf.o), corrected.o,
                                           _mm512_sub_ps(hf.o, W.o))};
         o->x = v_round2(c, lost, exact, &bad);
+        v_normalize2(c, &o->w, &o->x, exact, &bad);
         break;
     }
     case S_LIGHT:
@@ -313,6 +320,7 @@ static inline __attribute__((always_inline)) __mmask16 pair_land(
         vpair nw = {v_decayed(c, W.e, u.e), v_decayed(c, W.o, u.o)};
         o->w = v_round2_high(c, nw, exact, &bad);
         o->x = v_residual2(c, nw, v_split(o->w), exact, &bad);
+        v_normalize2(c, &o->w, &o->x, exact, &bad);
         break;
     }
     case S_SPLIT: { /* split_encode of each half */
@@ -330,6 +338,7 @@ static inline __attribute__((always_inline)) __mmask16 pair_land(
     if (S == S_PLUS || S == S_SPLIT) {
         o->v = v_round2_high(c, v, exact, &bad);
         o->vlo = v_residual2(c, v, v_split(o->v), exact, &bad);
+        v_normalize2(c, &o->v, &o->vlo, exact, &bad);
     } else {
         o->v = v_round2(c, v, exact, &bad);
     }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ... import mcf
-from .strategy import Component, Strategy, axpy, is_one, residual
+from .strategy import Component, Strategy, axpy, normalize_pair, is_one, residual
 
 
 class Kahan(Strategy):
@@ -24,8 +24,17 @@ class Kahan(Strategy):
         start = torch.zeros_like(weight) if is_one(decay) else -weight * lr_wd
         corrected = axpy(start, update, scale) + comp.float()
         param.copy_(weight + corrected)
-        # what this rounded add failed to land; float32 subtraction of nearby values: exact
-        comp.copy_(residual(corrected - (param.float() - weight), param))
+        # what this rounded add failed to land (float32 subtraction of nearby values: exact
+        # where |corrected| <= |weight|, Fast2Sum's condition; normalize_pair keeps the pair
+        # canonical where it is not)
+        lost = residual(corrected - (param.float() - weight), param).to(comp.dtype)
+        self._store(param, comp, lost)
+
+    @staticmethod
+    def _store(param, comp, lost) -> None:
+        hi, lo = normalize_pair(param, lost)
+        param.copy_(hi)
+        comp.copy_(lo)
 
     def land_reference(self, param, state, raw, draws):
         comp = state["compensation"]
@@ -33,8 +42,9 @@ class Kahan(Strategy):
         # that dtype rounds (written out so that a buffer of another dtype rounds the same)
         corrected = (raw.float() + comp.float()).to(param.dtype)
         total = param + corrected
-        comp.copy_(residual(corrected - (total - param), total))
+        lost = residual(corrected - (total - param), total)
         param.copy_(total)
+        self._store(param, comp, lost)
 
     def represented_parts(self, param, state):
         return (param, state["compensation"]) if "compensation" in state else (param,)

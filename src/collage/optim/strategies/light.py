@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ... import mcf
 from .. import research_mcf
-from .strategy import Component, Strategy, axpy, is_one, residual
+from .strategy import Component, Strategy, axpy, normalize_pair, is_one, residual
 
 
 class Light(Strategy):
@@ -26,7 +26,10 @@ class Light(Strategy):
         new = axpy(weight if is_one(decay) else weight * decay, update, scale)
         param.copy_(new)
         # float32 minus its nearest bf16: exact (Sterbenz), then rounded once into lo
-        state["weight_lo"].copy_(residual(new - param.float(), param))
+        low = residual(new - param.float(), param).to(param.dtype)
+        hi, lo = normalize_pair(param, low)
+        param.copy_(hi)
+        state["weight_lo"].copy_(lo)
 
     def land_reference(self, param, state, raw, draws):
         research_mcf.grow(param, state["weight_lo"], raw.to(param.dtype))

@@ -32,10 +32,11 @@ import torch
 
 from ... import mcf
 from .. import research_mcf
+from ..arith import axpy
 from ..rules import RULES, Rule
 
-__all__ = ["Component", "Strategy", "LOW_PRECISION", "residual", "axpy", "is_one",
-           "dtype_name"]
+__all__ = ["Component", "Strategy", "LOW_PRECISION", "residual", "normalize_pair", "axpy",
+           "is_one", "dtype_name"]
 
 #: weight dtypes the 16-bit strategies accept
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -88,20 +89,30 @@ def residual(value: torch.Tensor, lead: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(lead), value, torch.zeros_like(value))
 
 
+def normalize_pair(hi: torch.Tensor, lo: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pair ``(hi, lo)`` in canonical form: ``hi`` is the round-to-nearest-even of
+    ``hi + lo``, ``lo`` the exact rest (its value is unchanged).
+
+    Why: a landing rounds the new value to ``hi`` and the rest to ``lo``; that rest can round
+    up to exactly half of ``hi``'s ulp beside an odd ``hi`` (a tie ``hi + lo`` that rounds
+    away from ``hi``), and Kahan's compensation can exceed half an ulp. Such a pair would
+    flip at the next step even if it adds zero, moving the visible weight while the value
+    stays. Canonical pairs do not: a zero update leaves them alone, bit for bit.
+
+    ``hi + lo`` is exact in float32 (two 8- or 11-bit values within 16 binades of each other,
+    or ``lo`` so small that the sum rounds to ``hi`` either way), and so is the rest, which
+    fits the component dtype (the error of a rounding to nearest does). Non-finite ``hi``
+    keeps ``lo = +0`` (``collage.mcf``'s rule)."""
+    total = hi.float() + lo.float()
+    nearest = total.to(hi.dtype)
+    return nearest, residual(total - nearest.float(), nearest).to(lo.dtype)
+
+
 def is_one(x) -> bool:
     """True for the Python number 1 (no decay); a 0-d tensor is never special-cased, and
     multiplying by it is exact anyway when it holds 1."""
     return not isinstance(x, torch.Tensor) and x == 1.0
-
-
-def axpy(base: torch.Tensor, update: torch.Tensor, scale) -> torch.Tensor:
-    """``base + update * scale`` with one rounding (a fused multiply-add, like torch's
-    ``add(x, alpha=s)``); ``scale`` None means 1, a 0-d tensor comes from the compiled path."""
-    if scale is None:
-        return base + update
-    if isinstance(scale, torch.Tensor):
-        return torch.addcmul(base, update, scale.to(base.dtype))
-    return torch.add(base, update, alpha=scale)
 
 
 class Strategy:
@@ -212,7 +223,10 @@ class Strategy:
                 continue  # float32 state updated in place
             stored.copy_(value)
             if spec.slow and self.mcf_slow_states:
-                state[spec.name + "_lo"].copy_(residual(value - stored.float(), stored))
+                low = residual(value - stored.float(), stored).to(stored.dtype)
+                hi, lo = normalize_pair(stored, low)
+                stored.copy_(hi)
+                state[spec.name + "_lo"].copy_(lo)
 
     def moment_value(self, rule: Rule, state: Mapping, name: str) -> torch.Tensor:
         """A rule state's represented value in float64 (``x + x_lo`` for a pair): what the

@@ -1,8 +1,12 @@
-"""The fused path's compiled (inductor) kernels: no recompilation across learning-rate
-changes, the group kernel equals the per-parameter kernel bit for bit, and its in-kernel
-stochastic rounding is exact."""
+"""The compiled path's (inductor) kernels: no recompilation when a scheduler changes a
+coefficient, the group kernel equals the per-parameter kernel bit for bit, and its
+in-kernel stochastic rounding is exact."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -36,6 +40,70 @@ def test_shapes_exercise_both_call_kinds():
     sizes = [torch.Size(s).numel() for s in SHAPES]
     assert any(n >= eager.SMALL_NUMEL for n in sizes)
     assert sum(n < eager.SMALL_NUMEL for n in sizes) >= 2
+
+
+def _one_cycle(rule: str) -> tuple[torch.optim.Optimizer, int, int]:
+    """Steps under OneCycleLR, which cycles the learning rate and the momentum (SGD's
+    momentum, Adam's and Lion's beta1; cycle_momentum=True is its default): returns the
+    optimizer and dynamo's graph count after the first two steps and at the end, the later
+    steps run with error_on_recompile."""
+    make = {"sgd": lambda p: collage.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-2,
+                                         strategy="light", fused=True),
+            "adamw": lambda p: collage.AdamW(p, lr=1e-3, strategy="light", fused=True),
+            "lion": lambda p: collage.Lion(p, lr=1e-4, weight_decay=0.1, strategy="light",
+                                           fused=True)}[rule]
+    params = _params()
+    opt = make(params)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=20)
+
+    def step(index):
+        for p, g in zip(params, _grads(index)):
+            p.grad = g
+        opt.step()
+        schedule.step()
+
+    step(0)
+    step(1)  # SGD: the first step's buffer copy, then the later steps' formula
+    counters = torch._dynamo.utils.counters
+    graphs = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for index in range(2, 10):
+            step(index)
+    return opt, graphs, counters["stats"]["unique_graphs"]
+
+
+def test_one_cycle_schedule_never_recompiles_sgd():
+    """Every coefficient a scheduler changes (the learning rate, SGD's momentum, beta1,
+    weight decay) enters the compiled kernels as data: under OneCycleLR nothing recompiles
+    (issue #25: SGD's momentum was static, and recompiled at every step)."""
+    opt, before, after = _one_cycle("sgd")
+    assert opt.last_paths == {0: "compiled"} and before == after
+
+
+_COLD_CHILD = """
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+from collage.optim import native
+from optim import test_compiled
+native.covers = lambda *args, **kwargs: False  # AdamW on CPU: the compiled kernels too
+for rule in ("sgd", "adamw", "lion"):
+    opt, before, after = test_compiled._one_cycle(rule)
+    assert opt.last_paths == {{0: "compiled"}} and before == after, (rule, before, after)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_one_cycle_schedule_never_recompiles_with_a_cold_cache(tmp_path):
+    """The same for SGD, AdamW and Lion in a fresh process with an empty inductor cache,
+    where a recompilation would also cost a C++ compilation."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    code = _COLD_CHILD.format(tests=os.path.dirname(os.path.dirname(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"
 
 
 def test_learning_rate_schedule_never_recompiles():
