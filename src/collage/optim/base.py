@@ -101,6 +101,7 @@ class CollageOptimizer(Optimizer):
         strategy = get_strategy(group["strategy"])
         strategy.check_rule(self.rule)
         self.rule.validate(group)
+        strategy.check_group(self.rule, group)
         for flag in ("foreach", "fused"):
             if group[flag] not in (None, True, False):
                 raise TypeError(f"{flag} must be None, True or False, got {group[flag]!r}")

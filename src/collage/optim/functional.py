@@ -53,6 +53,7 @@ def step(rule: Rule, params: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
     resolved.check_rule(rule)
     hyper = dict(hyper, reference=reference)
     rule.validate(hyper)
+    resolved.check_group(rule, hyper)
     names = list(names) if names is not None else [f"param{i}" for i in range(len(params))]
     positions = list(positions) if positions is not None else list(range(len(params)))
     items = [Item(name, p, g, s, pos, ("", name) if stats is not None else ("",))

@@ -53,7 +53,8 @@ def fast_step(
         if scale is not None:
             wide_update = wide_update * scale
         intended = wide_update - weight.to(intended_dtype) * c["lr_wd"]
-    strategy.land(param, state, weight, decay, c["lr_wd"], update, scale, draws)
+    landed = strategy.land(param, state, weight, decay, c["lr_wd"], update, scale, draws)
+    strategy.feed_back(rule, param, working, landed, c)
     strategy.store_states(rule, state, working, draws)
     return intended
 
@@ -75,7 +76,8 @@ def reference_step(
     if decays and style == "torch":
         strategy.reference_decay(param, state, -c["lr_wd"])
     raw = strategy.reference_update(rule, param, grad, state, c, draws)
-    strategy.land_reference(param, state, raw, draws)
+    landed = strategy.land_reference(param, state, raw, draws)
+    strategy.feed_back(rule, param, state, landed, c)
     if decays and style == "HF":
         strategy.reference_decay(param, state, -c["lr_wd"])
     return raw.double() if want_intended else None

@@ -112,6 +112,16 @@ class Rule:
         weight a decay term multiplies; ``grad`` in the states' dtype."""
         raise NotImplementedError
 
+    #: the rules that can take a weight's rounding error back into their momentum
+    #: (:meth:`feed_back`; the ``feedback`` strategy)
+    feeds_back = False
+
+    def feed_back(self, states: dict, error: torch.Tensor, c: Coeffs) -> None:
+        """Fold ``error`` (what the stored weight lacks of the intended one) into the
+        momentum so that the next step adds it back: the inverse of the next update's
+        dependence on the momentum (ECO's error feedback, arXiv 2601.22101)."""
+        raise NotImplementedError(f"{self.title} keeps no momentum to feed an error into")
+
 
 class AdamWRule(Rule):
     name = "adamw"
@@ -147,6 +157,9 @@ class AdamWRule(Rule):
             "step_size": lr / bias_correction1,
             "bias_correction2_sqrt": math.sqrt(bias_correction2),
             "eps": group["eps"],
+            # the next step's (error feedback): the same learning rate assumed
+            "step_size_next": lr / (1 - beta1**(step + 1)),
+            "bias_correction2_sqrt_next": math.sqrt(1 - beta2**(step + 1)),
         }
 
     def fast(self, weight, grad, states, c):
@@ -170,6 +183,8 @@ class AdamWRule(Rule):
         beta1, beta2 = group["betas"]
         c["research_step_size"] = (float(group["lr"]) * math.sqrt(1.0 - beta2**step)
                                    / (1.0 - beta1**step))
+        c["research_step_size_next"] = (float(group["lr"]) * math.sqrt(1.0 - beta2**(step + 1))
+                                        / (1.0 - beta1**(step + 1)))
         c["weight_decay"] = group["weight_decay"]
         c["weight_decay_style"] = group.get("weight_decay_style", "compact")
         return c
@@ -187,6 +202,41 @@ class AdamWRule(Rule):
         if c["weight_decay"] > 0.0 and c["weight_decay_style"] == "compact":
             raw = raw - c["lr_wd"] * weight
         return raw
+
+    feeds_back = True
+
+    def feed_back(self, states, error, c):
+        # A change dm of m persists with decay beta1: the steps that follow add
+        # -step_size * (beta1 + beta1**2 + ...) * dm / D = -step_size * beta1 / (1 - beta1)
+        # * dm / D (step size and denominator D taken as the next step's, at the current
+        # v), so dm = -error * (1 - beta1) * D / (step_size * beta1) adds the error back
+        # over the next ~1 / (1 - beta1) steps, and needs no memory of earlier errors.
+        if "research_step_size_next" in c:  # the reference path's form: sqrt(v) + eps
+            denom = states["exp_avg_sq"].float().sqrt() + c["eps"]
+            gain = _feedback_gain(c["research_step_size_next"], c["beta1"])
+        else:
+            denom = states["exp_avg_sq"].sqrt() / c["bias_correction2_sqrt_next"] + c["eps"]
+            gain = _feedback_gain(c["step_size_next"], c["beta1"])
+        _adamw_feed_back(states, error, denom * c["one_minus_beta1"], gain)
+
+
+def _adamw_feed_back(states: dict, error, denom, gain) -> None:
+    momentum = states["exp_avg"]
+    correction = error * denom * gain
+    if momentum.dtype == torch.float32:  # a working state: updated in place
+        momentum.sub_(correction)
+    else:  # a stored one (the reference path): one rounding
+        momentum.copy_(momentum.float() - correction)
+
+
+def _feedback_gain(step_size_next, beta):
+    """``1 / (step_size_next * beta)``, and 0 where it is infinite (a zero learning rate or
+    beta: the next step cannot carry anything back, and there is nothing to carry at lr 0)."""
+    if isinstance(step_size_next, torch.Tensor) or isinstance(beta, torch.Tensor):
+        product = torch.as_tensor(step_size_next) * beta
+        return torch.where(product > 0, 1.0 / torch.where(product > 0, product, 1.0), 0.0)
+    product = step_size_next * beta
+    return 1.0 / product if product > 0 else 0.0
 
 
 class SGDRule(Rule):
@@ -252,6 +302,20 @@ class SGDRule(Rule):
                 buf.mul_(c["momentum"]).add_(grad, alpha=c["one_minus_dampening"])
             grad = grad.add(buf, alpha=c["momentum"]) if c["nesterov"] else buf
         return grad * -c["lr"]
+
+    feeds_back = True
+
+    def feed_back(self, states, error, c):
+        # A change d of the buffer persists with decay mu: the steps that follow add
+        # -lr * (mu + mu**2 + ...) * d = -lr * mu / (1 - mu) * d (Nesterov: mu**2 / (1 -
+        # mu)), so d = -error * (1 - mu) / (lr * mu [* mu]) adds the error back
+        momentum = c["momentum"] * c["momentum"] if c["nesterov"] else c["momentum"]
+        buffer = states["momentum_buffer"]
+        correction = error * (1 - c["momentum"]) * _feedback_gain(c["lr"], momentum)
+        if buffer.dtype == torch.float32:
+            buffer.sub_(correction)
+        else:
+            buffer.copy_(buffer.float() - correction)
 
 
 class LionRule(Rule):

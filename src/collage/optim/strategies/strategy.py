@@ -248,8 +248,15 @@ class Strategy:
 
         ``lr_wd`` is ``1 - decay`` computed in float64 on the host (``decay - 1`` in float32
         would lose the digits of a small weight decay); ``draws``: the draw key (int32
-        ``[key0, key1, first index]``) of a strategy with ``draws``, else None."""
+        ``[key0, key1, first index]``) of a strategy with ``draws``, else None. Returns
+        what :meth:`feed_back` needs (None but for a strategy that feeds back)."""
         raise NotImplementedError
+
+    def feed_back(self, rule: Rule, param: torch.Tensor, states: dict, landed,
+                  coeffs: Mapping) -> None:
+        """After a landing: fold what it did not store into the rule's states (the
+        ``feedback`` strategy); ``landed`` is what :meth:`land` or :meth:`land_reference`
+        returned. Nothing by default."""
 
     # ------------------------------------------------------------------ the reference path
 
@@ -305,6 +312,9 @@ class Strategy:
         param.copy_(mcf.round_to(value, param.dtype))
 
     # ------------------------------------------------------------------ checks
+
+    def check_group(self, rule: Rule, group: Mapping) -> None:
+        """A ValueError where the group's hyperparameters do not suit this strategy."""
 
     def state_mismatch(self, rule: Rule, param: torch.Tensor, state: Mapping) -> str | None:
         """What makes ``state`` not this strategy's state of ``param`` (a missing component,
