@@ -34,6 +34,9 @@ __all__ = [
 
 #: The model families of ``collage.train.models`` (which builds each from a ModelConfig).
 FAMILIES = ("gpt", "llama", "bert")
+#: ``--data stdlib``: the source of Python's standard library (``collage.train.data``).
+STDLIB = "stdlib"
+TOKENIZERS = ("bytes", "bpe")
 SCHEDULES = ("constant", "cosine", "linear")
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -140,8 +143,9 @@ class ModelConfig:
 class DataConfig:
     """The text: built-in corpus, a local file, or a Hugging Face dataset."""
 
-    path: str | None = _opt(None, "local text file to train on (default: the built-in corpus, "
-                            "Python's pydoc topics)", flag="--data", metavar="PATH")
+    path: str | None = _opt(None, "local text file to train on, or 'stdlib': the source of "
+                            "Python's standard library, split by file (default: the built-in "
+                            "corpus, Python's pydoc topics)", flag="--data", metavar="PATH")
     dataset: str | None = _opt(None, "Hugging Face dataset name or local data file/directory "
                                "(needs the datasets package)", metavar="NAME|PATH")
     dataset_config: str | None = _opt(None, "configuration name of --dataset "
@@ -152,12 +156,21 @@ class DataConfig:
     val_fraction: float = _opt(0.1, "fraction of the text held out for validation")
     batch_size: int = _opt(16, "sequences per optimizer step")
     mlm_probability: float = _opt(0.15, "fraction of tokens masked (bert)")
+    tokenizer: str = _opt("bytes", "bytes (UTF-8 bytes, 257 ids) or bpe (a byte-level BPE "
+                          "tokenizer trained on the training text; needs tokenizers)",
+                          choices=TOKENIZERS)
+    vocab_size: int = _opt(4096, "vocabulary size of --tokenizer bpe")
 
     def __post_init__(self) -> None:
         _finite("data", self)
         if self.path is not None and self.dataset is not None:
             _fail("data", "path", "give either --data or --dataset, not both")
-        if self.path is not None:
+        if self.tokenizer not in TOKENIZERS:
+            _fail("data", "tokenizer", f"unknown tokenizer {self.tokenizer!r}; valid: "
+                  + ", ".join(TOKENIZERS))
+        if self.vocab_size < 512:  # the 256 bytes and enough merges to be worth a BPE
+            _fail("data", "vocab_size", f"must be at least 512, got {self.vocab_size}")
+        if self.path is not None and self.path != STDLIB:
             if not os.path.exists(self.path):
                 _fail("data", "path", f"cannot read {self.path!r}: no such file")
             if not os.path.isfile(self.path):
@@ -312,6 +325,9 @@ class Config:
         if self.run.stop_after is not None and self.run.stop_after > self.run.steps:
             raise UsageError(f"--stop-after {self.run.stop_after} exceeds --steps "
                              f"{self.run.steps}")
+        if self.data.tokenizer != "bytes" and self.model.family == "bert":
+            raise UsageError("--tokenizer bpe: the masked LM (bert) masks with the byte "
+                             "vocabulary's [MASK] id; use --tokenizer bytes")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
