@@ -246,10 +246,24 @@ class RunConfig:
     jobs: int | None = _opt(None, "strategies trained at the same time, each in its own "
                             "process (none: one per CPU core on CPU, 1 on CUDA; needs "
                             "--isolate)", commands=("compare",))
+    seeds: int = _opt(1, "train every run from this many seeds: --seed, --seed + 1, ... "
+                      "(initial weights and data order; the same seeds for every strategy, so "
+                      "that comparisons are paired); the report gives mean ± Student t "
+                      "interval and paired tests", commands=("compare",))
+    lrs: tuple[float, ...] = _opt((), "run at each of these peak learning rates (overrides "
+                                  "--lr); the report gives each strategy's best",
+                                  commands=("compare",))
+    lrs_strategies: tuple[str, ...] = _opt((), "the strategies run at every --lrs value "
+                                           "(none: all); the others run at --lr alone",
+                                           commands=("compare",))
     checkpoint_every: int = _opt(0, "write a checkpoint every this many steps (0: only at "
-                                 "the end)", commands=("train",))
-    resume: bool = _opt(False, "continue from the checkpoint in --out if there is one",
-                        commands=("train",))
+                                 "the end; compare: with --resume)", commands=("train", "compare"))
+    resume: bool = _opt(False, "continue from the checkpoint in --out if there is one "
+                        "(compare: each run keeps its own in --out/runs/, finished runs are "
+                        "skipped, so the same command continues an interrupted comparison)",
+                        commands=("train", "compare"))
+    report_only: bool = _opt(False, "train nothing: write the outputs from the runs finished "
+                             "in --out/runs/ (those of --resume)", commands=("compare",))
     stop_after: int | None = _opt(None, "stop (with a checkpoint) after this step, as if "
                                   "interrupted; --resume continues", commands=("train",))
     nproc: int = _opt(1, "processes to train with: data parallel under torchrun (DDP; gloo "
@@ -259,9 +273,12 @@ class RunConfig:
     def __post_init__(self) -> None:
         self.strategies = tuple(self.strategies)
         self.beta2s = tuple(float(b) for b in self.beta2s)
+        self.lrs = tuple(float(lr) for lr in self.lrs)
+        self.lrs_strategies = tuple(self.lrs_strategies)
         _finite("run", self)
         _positive("run", self, "steps", "eval_every", "eval_batches", "threads", "stop_after",
-                  "jobs", "nproc")
+                  "jobs", "nproc", "seeds")
+        self._check_sweeps()
         for name in ("track_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 _fail("run", name, f"must not be negative, got {getattr(self, name)}")
@@ -278,6 +295,19 @@ class RunConfig:
         for b in self.beta2s:
             if not (math.isfinite(b) and 0.0 <= b < 1.0):
                 _fail("run", "beta2s", f"every beta2 must be in [0, 1), got {b}")
+
+    def _check_sweeps(self) -> None:
+        """--lrs and --lrs-strategies: positive, finite, distinct, strategies compared."""
+        for lr in self.lrs:
+            if not (math.isfinite(lr) and lr > 0):
+                _fail("run", "lrs", f"every learning rate must be positive, got {lr}")
+        if len(set(self.lrs)) != len(self.lrs):
+            _fail("run", "lrs", "a learning rate is listed twice")
+        if self.lrs_strategies and not self.lrs:
+            _fail("run", "lrs_strategies", "names the strategies of --lrs, which is not given")
+        for name in self.lrs_strategies:
+            if name not in self.strategy_list():
+                _fail("run", "lrs_strategies", f"{name!r} is not among the strategies compared")
 
     def strategy_list(self) -> tuple[str, ...]:
         return self.strategies or DEFAULT_COMPARE

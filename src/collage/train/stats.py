@@ -158,10 +158,10 @@ class PairedTest:
     """The paired t test of ``a - b`` over ``n`` shared seeds (two-sided, level
     ``1 - CONFIDENCE``). ``difference`` is the mean of ``a - b`` with its t interval.
 
-    ``p`` is None with fewer than two pairs or a non-finite value (nothing to test). When every difference is
-    the same, the sample variance is 0 and ``t`` is undefined (0 / 0) or infinite: a zero
-    difference everywhere gives ``p = 1`` (no evidence of a difference), a constant non-zero
-    one ``p = 0`` (t infinite)."""
+    ``p`` is None with fewer than two pairs or a non-finite value (nothing to test). When
+    every difference is the same, the sample variance is 0 and ``t`` is undefined (0 / 0)
+    or infinite: a zero difference everywhere gives ``p = 1`` (no evidence of a difference),
+    a constant non-zero one ``p = 0`` (t infinite)."""
 
     n: int
     difference: Estimate
@@ -193,7 +193,7 @@ def paired_t_test(a: Sequence[float], b: Sequence[float]) -> PairedTest:
     if difference.std == 0.0:
         if difference.mean == 0.0:
             return PairedTest(n=n, difference=difference, t=None, p=1.0)
-        return PairedTest(n=n, difference=difference, t=math.copysign(math.inf, difference.mean),
-                          p=0.0)
+        infinite = math.copysign(math.inf, difference.mean)
+        return PairedTest(n=n, difference=difference, t=infinite, p=0.0)
     t = difference.mean / (difference.std / math.sqrt(n))
     return PairedTest(n=n, difference=difference, t=t, p=t_two_sided_p(t, n - 1))
