@@ -16,7 +16,7 @@ from collage.train import compare as compare_module
 from collage.train.aggregate import pareto_front, records
 from collage.train.compare import compare
 from collage.train.runner import train_strategy
-from collage.train.runs import RESULT_NAME, Run, plan_runs, run_config, run_dir
+from collage.train.runs import RESULT_NAME, Run, plan_runs, run_config, run_dir, training_lock
 from collage.train.stats import estimate, paired_t_test
 
 from .conftest import micro_config
@@ -53,8 +53,8 @@ def test_sweep_flags_are_checked():
         micro_config(run={"lrs": (1e-3, -1.0)})
     with pytest.raises(UsageError, match="--lrs-strategies: names the strategies of --lrs"):
         micro_config(run={"lrs_strategies": ("plus",)})
-    with pytest.raises(UsageError, match="'plus' is not among the strategies compared"):
-        micro_config(run={"strategies": ("fp32",), "lrs": (1e-3,), "lrs_strategies": ("plus",)})
+    with pytest.raises(UsageError, match="--lrs-strategies: unknown strategy 'fp16'"):
+        micro_config(run={"lrs": (1e-3,), "lrs_strategies": ("fp16",)})
     with pytest.raises(UsageError, match="--seeds: must be positive"):
         micro_config(run={"seeds": 0})
 
@@ -220,3 +220,12 @@ def test_fresh_processes_over_seeds_with_resume(tmp_path):
     assert sorted(os.listdir(tmp_path / "runs")) == [
         "bf16_b2-0.999_lr-0.002_seed-0", "bf16_b2-0.999_lr-0.002_seed-1"]
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".init-")]
+
+
+def test_a_run_trained_elsewhere_is_not_trained_twice(tmp_path):
+    config = micro_config(run={"strategies": ("bf16",), "isolate": False, "resume": True})
+    (run,) = plan_runs(config)
+    with training_lock(run_dir(str(tmp_path), run)):  # another process holds the run
+        with pytest.raises(UsageError, match="is being trained by another process"):
+            compare(config, str(tmp_path), log=None)
+    compare(config, str(tmp_path), log=None)  # released: it trains

@@ -14,6 +14,7 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from queue import Empty
 from typing import Any
@@ -26,7 +27,15 @@ from .config import Config
 from .outputs import write_outputs
 from .report import fmt
 from .runner import train_strategy
-from .runs import Run, load_result, plan_runs, run_config, run_dir, save_result
+from .runs import (
+    Run,
+    load_result,
+    plan_runs,
+    run_config,
+    run_dir,
+    save_result,
+    training_lock,
+)
 
 __all__ = ["compare"]
 
@@ -63,15 +72,17 @@ def _run_one(task: _Task, init: dict[str, torch.Tensor], isolated: bool,
     t0 = time.perf_counter()
     kept = {} if task.directory is None else {
         "out_dir": task.directory, "checkpoint_every": task.checkpoint_every, "resume": True}
-    result = train_strategy(config, task.strategy, beta2=task.beta2, init=init,
-                            label=task.label, progress=progress, threads=task.threads, **kept)
-    summary = result["summary"]
-    summary["wall_time_s"] = time.perf_counter() - t0
-    summary["isolated"] = isolated
-    summary["jobs"] = task.jobs
-    finished = {"summary": summary, "history": result["history"]}
-    if task.directory is not None:
-        save_result(task.directory, config, finished)
+    with training_lock(task.directory) if task.directory else nullcontext():
+        result = train_strategy(config, task.strategy, beta2=task.beta2, init=init,
+                                label=task.label, progress=progress, threads=task.threads,
+                                **kept)
+        summary = result["summary"]
+        summary["wall_time_s"] = time.perf_counter() - t0
+        summary["isolated"] = isolated
+        summary["jobs"] = task.jobs
+        finished = {"summary": summary, "history": result["history"]}
+        if task.directory is not None:
+            save_result(task.directory, config, finished)
     return finished
 
 

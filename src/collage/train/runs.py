@@ -11,8 +11,11 @@ a finished comparison trains only the new runs.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,10 +24,11 @@ from .checkpoint import CHECKPOINT_NAME, config_differences
 from .config import Config
 
 __all__ = ["Run", "RESULT_NAME", "plan_runs", "run_config", "run_dir", "load_result",
-           "save_result"]
+           "save_result", "training_lock"]
 
 RESULT_NAME = "result.json"
 RUNS_DIR = "runs"
+LOCK_NAME = ".lock"
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,22 @@ def run_config(config: Config, run: Run) -> Config:
 
 def run_dir(out_dir: str, run: Run) -> str:
     return os.path.join(out_dir, RUNS_DIR, run.key)
+
+
+@contextlib.contextmanager
+def training_lock(directory: str) -> Iterator[None]:
+    """Hold the run's lock while it trains: a second ``collage compare`` on the same
+    ``--out`` (say, restarted while an orphaned child of the first still trains) stops with
+    a UsageError instead of writing the same checkpoint at the same time. ``flock`` locks
+    die with their process, so a killed run leaves none behind."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, LOCK_NAME), "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"--resume: {directory!r} is being trained by another process; "
+                             "wait for it or stop it first") from None
+        yield
 
 
 def save_result(directory: str, config: Config, result: dict[str, Any]) -> None:
