@@ -229,3 +229,23 @@ def test_a_run_trained_elsewhere_is_not_trained_twice(tmp_path):
         with pytest.raises(UsageError, match="is being trained by another process"):
             compare(config, str(tmp_path), log=None)
     compare(config, str(tmp_path), log=None)  # released: it trains
+
+
+def test_partial_results_pair_only_shared_seeds():
+    """A --report-only of an unfinished comparison: tests use the seeds both settings have;
+    none in common, no test; a diverged setting is never the best."""
+    def done(strategy, lr, seed, loss):
+        run = Run(strategy, 0.9, lr, seed, f"{strategy} lr={lr}", f"{strategy} {lr} {seed}")
+        summary = dict(_record(strategy, 0.9, lr, loss), label=run.label,
+                       final_train_loss=loss, final_val_ppl=math.exp(loss), best_val_loss=loss)
+        return run, {"summary": summary}
+
+    got = records([done("fp32", 1, 0, 2.0), done("fp32", 1, 1, 2.1),
+                   done("bf16", 1, 1, 2.3), done("bf16", 1, 2, 2.2),
+                   done("mixed", 1, 2, 2.0), done("bf16", 2, 0, math.nan),
+                   done("bf16", 2, 1, math.nan)], 3)
+    bf16 = next(r for r in got if r["strategy"] == "bf16" and r["lr"] == 1)
+    assert bf16["paired_vs_fp32"]["seeds"] == [1] and bf16["paired_vs_fp32"]["p"] is None
+    fp32 = next(r for r in got if r["strategy"] == "fp32")
+    assert fp32["paired_vs_mixed"] is None  # no seed in common
+    assert bf16["best_lr"] and bf16["final_val_loss_ci95"] is not None

@@ -96,10 +96,13 @@ def _cells(done: list[tuple[Run, Result]]) -> dict[tuple[str, float, float], lis
 
 def _best_lrs(records: list[dict[str, Any]]) -> dict[tuple[str, float], float]:
     """Per (strategy, beta2): the learning rate of its lowest final validation loss."""
+    def loss(r: dict[str, Any]) -> float:  # a diverged (NaN) setting is never the best
+        return r["final_val_loss"] if math.isfinite(r["final_val_loss"]) else math.inf
+
     best: dict[tuple[str, float], dict[str, Any]] = {}
     for r in records:
         key = (r["strategy"], r["beta2"])
-        if key not in best or r["final_val_loss"] < best[key]["final_val_loss"]:
+        if key not in best or loss(r) < loss(best[key]):
             best[key] = r
     return {key: r["lr"] for key, r in best.items()}
 
@@ -126,7 +129,12 @@ def paired(record: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
 
 
 def _paired_or_none(record: dict[str, Any], reference: dict[str, Any] | None):
-    return paired(record, reference) if reference and reference is not record else None
+    """The paired test, None without a reference or a seed in common (a partial
+    ``--report-only``)."""
+    if not reference or reference is record or not (
+            _losses_by_seed(record).keys() & _losses_by_seed(reference).keys()):
+        return None
+    return paired(record, reference)
 
 
 def _compare(records: list[dict[str, Any]], pooled: bool) -> None:
