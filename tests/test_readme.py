@@ -51,3 +51,23 @@ def test_readme_memory_table_matches_the_memory_model():
     for strategy, expected in rows.items():
         assert round(bytes_per_param(strategy).total, 2) == float(expected), strategy
     assert "plus8" in rows
+
+
+#: The distribution that provides an importable module, where their names differ.
+DISTRIBUTIONS = {"optimi": "torch-optimi"}
+
+
+def test_ci_installs_every_package_a_test_skips_without():
+    """CI installs the dev extra; a test that skips for a missing package would silently
+    not run there, so every module a test ``importorskip``s must come with the extra."""
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as handle:
+        dev = tomllib.load(handle)["project"]["optional-dependencies"]["dev"]
+    installed = {re.split(r"[<>=!\[ ]", requirement)[0].lower() for requirement in dev}
+    skipped = {name for path in (ROOT / "tests").rglob("*.py")
+               for name in re.findall(r"importorskip\(\"([\w.]+)\"", path.read_text())}
+    assert {"lightning", "datasets", "optimi"} <= skipped  # the guard sees them
+    missing = {DISTRIBUTIONS.get(n, n) for n in skipped} - installed
+    assert not missing, f"add to the dev extra: {sorted(missing)}"
+    assert {"torchao", "tokenizers"} <= installed

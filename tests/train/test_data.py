@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
 from collage.errors import UsageError
-from collage.train.config import DataConfig
+from collage.train import bpe
+from collage.train.config import Config, DataConfig, ModelConfig
 from collage.train.data import (
     MASK_ID,
     SPLIT_CHUNK,
@@ -20,6 +22,8 @@ from collage.train.data import (
     load_corpus,
     make_batches,
     split_tokens,
+    stdlib_files,
+    vocab_size,
 )
 
 
@@ -128,3 +132,57 @@ def test_missing_datasets_package_is_a_usage_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake_import)
     with pytest.raises(UsageError, match="needs the datasets package"):
         load_corpus(DataConfig(dataset="wikitext"))
+
+
+def test_stdlib_corpus_is_the_standard_library_split_by_file():
+    root, paths = stdlib_files()
+    assert paths == sorted(paths) and "os.py" in paths and "json/__init__.py" in paths
+    assert not [p for p in paths if "site-packages" in p or "__pycache__" in p]
+    assert sum(os.path.getsize(os.path.join(root, p)) for p in paths) > 5_000_000
+
+    def read(path):
+        with open(os.path.join(root, path), "rb") as handle:
+            return handle.read() + b"\n"
+
+    cfg = DataConfig(path="stdlib", max_bytes=400_000)
+    corpus = load_corpus(cfg)
+    assert len(corpus.train) + len(corpus.val) == 400_000
+    assert torch.equal(corpus.val, load_corpus(cfg).val)  # a pure function of the files
+    # files 0-8 are training text, file 9 (the 10th) opens the validation text
+    head = b"".join(read(p) for p in paths[:9])
+    assert corpus.train[:len(head)].numpy().tobytes() == head
+    assert corpus.val[:len(read(paths[9]))].numpy().tobytes() == read(paths[9])
+    assert "standard library" in corpus.source and corpus.vocab_size == VOCAB_SIZE
+
+
+def test_bpe_tokenizer_is_trained_on_the_training_side_and_cached(tmp_path, monkeypatch):
+    tokenizers = pytest.importorskip("tokenizers")
+    monkeypatch.setenv("COLLAGE_CACHE_DIR", str(tmp_path))
+    cfg = DataConfig(path="stdlib", max_bytes=300_000, tokenizer="bpe", vocab_size=1000)
+    raw = load_corpus(DataConfig(path="stdlib", max_bytes=300_000))
+    corpus = load_corpus(cfg)
+    assert corpus.vocab_size == vocab_size(cfg) == 1000
+    assert corpus.train.dtype == torch.int16 and 256 <= int(corpus.train.max()) < 1000
+    assert len(raw.train) / len(corpus.train) > 2  # merges make tokens of several bytes
+    (entry,) = [torch.load(p, weights_only=True) for p in (tmp_path / "tokens").iterdir()]
+    tokenizer = tokenizers.Tokenizer.from_str(entry["tokenizer"])
+    for ids, text in ((corpus.train, raw.train), (corpus.val, raw.val)):
+        original = text.numpy().tobytes().decode("utf-8", "replace")
+        assert tokenizer.decode(ids.tolist()) == original
+
+    def no_training(*args):
+        raise AssertionError("the cached ids should have been used")
+
+    monkeypatch.setattr(bpe, "_train", no_training)
+    again = load_corpus(cfg)
+    assert torch.equal(again.train, corpus.train) and torch.equal(again.val, corpus.val)
+
+
+def test_tokenizer_settings_are_checked():
+    with pytest.raises(UsageError, match="--vocab-size: must be at least 512"):
+        DataConfig(tokenizer="bpe", vocab_size=300)
+    with pytest.raises(UsageError, match="--tokenizer: unknown tokenizer 'words'"):
+        DataConfig(tokenizer="words")
+    with pytest.raises(UsageError, match="masked LM"):
+        Config(model=ModelConfig(family="bert"), data=DataConfig(tokenizer="bpe"))
+    assert DataConfig(path="stdlib").path == "stdlib"  # a corpus name, not a file

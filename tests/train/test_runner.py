@@ -11,7 +11,13 @@ import torch
 from collage.errors import UsageError
 from collage.train.config import OptimConfig
 from collage.train.build import lr_factor
-from collage.train.checkpoint import CHECKPOINT_NAME, save_atomic
+from collage.train.checkpoint import (
+    CHECKPOINT_NAME,
+    load_checkpoint,
+    payload_digest,
+    save_atomic,
+    save_checkpoint,
+)
 from collage.train.runner import train_strategy
 
 from .conftest import micro_config
@@ -200,3 +206,58 @@ def test_killed_process_resumes_exactly(tmp_path):
     full = train_strategy(config, "plus")["history"]
     assert resumed["train_loss"] == pytest.approx(full["train_loss"], rel=0, abs=0)
     assert resumed["val_loss"] == full["val_loss"]
+
+
+def _zero_middle(path, n_bytes: int = 64) -> None:
+    """Zero ``n_bytes`` in the middle of ``path``: the damage a bad disk sector does."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as handle:
+        handle.seek(size // 2 - n_bytes // 2)
+        before = handle.read(n_bytes)
+        assert any(before), "the middle already holds zeros: the test would prove nothing"
+        handle.seek(size // 2 - n_bytes // 2)
+        handle.write(bytes(n_bytes))
+
+
+def test_resume_refuses_a_corrupted_checkpoint(tmp_path, capsys):
+    """torch.load does not check a tensor's bytes, so 64 zeroed bytes inside one load
+    without complaint; the checkpoint's SHA-256 stops the resumption, naming the file."""
+    from collage.cli import main
+
+    argv = ["train", "--preset", "micro", "--strategy", "plus", "--steps", "6", "--threads",
+            "1", "--quiet", "--out", str(tmp_path)]
+    assert main(argv + ["--stop-after", "3"]) == 0
+    path = tmp_path / CHECKPOINT_NAME
+    _zero_middle(path)
+    torch.load(path, weights_only=True)  # still loads: only the digest can tell
+    capsys.readouterr()
+    assert main(argv + ["--resume"]) == 2
+    error = capsys.readouterr().err
+    assert f"checkpoint {str(path)!r} is corrupted" in error
+    assert error.count("\n") == 1  # one line
+
+
+def test_checkpoint_digest_covers_every_value(tmp_path):
+    payload = {"step": 3, "w": torch.arange(6, dtype=torch.bfloat16), "h": [1.5, math.nan],
+               "rng": (3, (1, 2), None)}
+    path = str(tmp_path / "ck.pt")
+    save_checkpoint(payload, path)
+    stored = torch.load(path, weights_only=True)
+    assert stored["step"] == 3 and "sha256" in stored  # the layout stays flat
+    assert payload_digest({"format": stored.pop("format"), **payload}) == stored["sha256"]
+    changed = dict(payload, w=payload["w"].clone())
+    changed["w"][5] = 0
+    assert payload_digest(changed) != payload_digest(payload)
+    assert payload_digest(dict(payload, h=[1.5, 2.0])) != payload_digest(payload)
+    assert payload_digest(dict(payload, rng=[3, (1, 2), None])) != payload_digest(payload)
+
+
+def test_a_checkpoint_from_before_digests_still_resumes(tmp_path):
+    """Format 1 (no digest) is read as before: nothing to verify, the settings checked."""
+    config = micro_config()
+    path = str(tmp_path / CHECKPOINT_NAME)
+    save_atomic({"format": 1, "step": 2, "strategy": "plus", "config": config.to_dict()}, path)
+    assert load_checkpoint(path, config, "plus")["step"] == 2
+    with pytest.raises(UsageError, match="not a collage train checkpoint"):
+        save_atomic({"format": 7}, path)
+        load_checkpoint(path, config, "plus")

@@ -17,7 +17,7 @@ from torch import nn
 from ..errors import UsageError
 from ..optim import AdamW, get_strategy
 from .config import BASELINES, Config, OptimConfig
-from .data import VOCAB_SIZE
+from .data import vocab_size
 from .models import build_model
 
 __all__ = [
@@ -50,7 +50,7 @@ def weight_dtype(strategy: str) -> torch.dtype:
 
 def initial_weights(config: Config) -> dict[str, torch.Tensor]:
     """The float32 initial state dict of ``config.model`` seeded by ``config.run.seed``."""
-    model = build_model(config.model, VOCAB_SIZE, seed=config.run.seed)
+    model = build_model(config.model, vocab_size(config.data), seed=config.run.seed)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -67,7 +67,7 @@ def state_checksum(state: dict[str, torch.Tensor]) -> str:
 def prepare_model(config: Config, strategy: str, init: dict[str, torch.Tensor],
                   device: torch.device) -> nn.Module:
     """The model with the float32 weights ``init``, converted to the strategy's dtype."""
-    model = build_model(config.model, VOCAB_SIZE, seed=config.run.seed)
+    model = build_model(config.model, vocab_size(config.data), seed=config.run.seed)
     model.load_state_dict(init)
     return model.to(device=device, dtype=weight_dtype(strategy))
 

@@ -1,12 +1,20 @@
-"""Checkpoints of ``collage train``: written atomically, read back only for the same run.
+"""Checkpoints of ``collage train``: written atomically, verified, read back only for the
+same run.
 
 A checkpoint holds everything of a run that evolves (weights, optimizer and scheduler
 state, RNG states, the history so far, the timing counters); the data position is the
 step itself (``collage.train.data``), so a resumed run continues bit for bit.
+
+It also holds a SHA-256 of its payload (:func:`payload_digest`: every tensor's dtype,
+shape and bytes, every other value's type and ``repr``, in order), computed before the
+write and again after the read. ``torch.load`` does not check the bytes of a tensor (its
+zip records' CRCs are not verified), so a file damaged on disk would otherwise resume
+with silently wrong weights; with the digest it stops with an error naming the file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import tempfile
@@ -17,15 +25,18 @@ import torch
 from ..errors import UsageError
 from .config import Config
 
-__all__ = ["CHECKPOINT_NAME", "CHECKPOINT_FORMAT", "save_atomic", "load_checkpoint",
-           "rng_state", "set_rng_state"]
+__all__ = ["CHECKPOINT_NAME", "CHECKPOINT_FORMAT", "save_atomic", "save_checkpoint",
+           "load_checkpoint", "payload_digest", "config_differences", "rng_state",
+           "set_rng_state"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
-CHECKPOINT_FORMAT = 1
-# Run fields that may differ between an interrupted run and its resumption.
+#: 2: with the payload's SHA-256 (1: without; still read, with nothing to verify)
+CHECKPOINT_FORMAT = 2
+# Run fields that may differ between an interrupted run and its resumption (for compare:
+# between the command that made a run and the one that reuses it).
 RESUMABLE_RUN_FIELDS = ("resume", "stop_after", "quiet", "out", "checkpoint_every", "threads",
                         "eval_every", "eval_batches", "isolate", "strategies", "beta2s",
-                        "jobs", "nproc")
+                        "jobs", "nproc", "seeds", "lrs", "lrs_strategies", "report_only")
 
 
 def save_atomic(obj: Any, path: str) -> None:
@@ -45,6 +56,43 @@ def save_atomic(obj: Any, path: str) -> None:
             os.unlink(tmp)
         raise
     _sync_directory(directory)
+
+
+def _digest_into(h: Any, obj: Any) -> None:
+    """Feed ``obj`` to the hash ``h``: containers by their items in order, a tensor by its
+    dtype, shape and bytes, anything else by its type and ``repr`` (exact for the ints,
+    floats, strings and dtypes a checkpoint holds)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"tensor {t.dtype} {tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(obj, dict):
+        h.update(f"dict {len(obj)}|".encode())
+        for key, value in obj.items():
+            _digest_into(h, key)
+            _digest_into(h, value)
+    elif isinstance(obj, (list, tuple)):
+        h.update(f"{type(obj).__name__} {len(obj)}|".encode())
+        for value in obj:
+            _digest_into(h, value)
+    else:
+        h.update(f"{type(obj).__name__} {obj!r}|".encode())
+
+
+def payload_digest(payload: Any) -> str:
+    """The SHA-256 of a checkpoint's content (not of its file: equal before the write and
+    after the read, whatever torch's file layout)."""
+    h = hashlib.sha256()
+    _digest_into(h, payload)
+    return h.hexdigest()
+
+
+def save_checkpoint(payload: dict[str, Any], path: str) -> None:
+    """``payload`` with its format and, last, the digest of both, written atomically
+    (:func:`save_atomic`). The layout stays flat (``torch.load(path)["step"]`` works)."""
+    record = {"format": CHECKPOINT_FORMAT, **payload}
+    record["sha256"] = payload_digest(record)
+    save_atomic(record, path)
 
 
 def _sync_directory(directory: str) -> None:
@@ -83,30 +131,56 @@ def _comparable(config_dict: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+def config_differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The settings (as flags) in which the configuration ``current`` differs from the
+    ``stored`` one of a checkpoint or a finished run, leaving out those a resumed run may
+    change (:data:`RESUMABLE_RUN_FIELDS`)."""
+    a, b = _comparable(stored), _comparable(current)
     out = []
     for section in a:
         if isinstance(a[section], dict):
             for key in a[section]:
-                if a[section][key] != b.get(section, {}).get(key):
-                    out.append(f"--{key.replace('_', '-')} {b.get(section, {}).get(key)} "
+                value = b.get(section, {}).get(key)
+                if _normal(a[section][key]) != _normal(value):
+                    out.append(f"--{key.replace('_', '-')} {value} "
                                f"(checkpoint: {a[section][key]})")
     return out
 
 
-def load_checkpoint(path: str, config: Config, strategy: str) -> dict[str, Any]:
-    """A checkpoint written by this module for the same configuration and strategy."""
+def _normal(value: Any) -> Any:
+    """A setting as JSON gives it back (tuples become lists), so that a configuration read
+    from a file compares equal to the one it was written from."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _read(path: str) -> dict[str, Any]:
+    """The checkpoint's payload, its digest verified; one UsageError naming the file for a
+    file that does not load, is not ours, or whose content changed since it was written."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        stored = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         raise UsageError(f"--resume: cannot read checkpoint {path!r}: "
                          f"{str(error).splitlines()[0] if str(error) else error!r}") from None
-    if payload.get("format") != CHECKPOINT_FORMAT:
+    if not isinstance(stored, dict) or stored.get("format") not in (1, CHECKPOINT_FORMAT):
         raise UsageError(f"--resume: {path!r} is not a collage train checkpoint")
+    if stored["format"] == 1:  # written before checkpoints carried a digest
+        return stored
+    recorded = stored.pop("sha256", None)  # the rest, in order, is what was digested
+    if payload_digest(stored) != recorded:
+        raise UsageError(f"--resume: checkpoint {path!r} is corrupted: its content does not "
+                         "match the SHA-256 recorded when it was written; delete it to start "
+                         "afresh, or restore it from a copy")
+    return stored
+
+
+def load_checkpoint(path: str, config: Config, strategy: str) -> dict[str, Any]:
+    """A checkpoint written by this module for the same configuration and strategy, its
+    digest verified."""
+    payload = _read(path)
     if payload["strategy"] != strategy:
         raise UsageError(f"--resume: the checkpoint in {path!r} is for strategy "
                          f"{payload['strategy']!r}, not {strategy!r}")
-    diffs = _differences(_comparable(payload["config"]), _comparable(config.to_dict()))
+    diffs = config_differences(payload["config"], config.to_dict())
     if diffs:
         raise UsageError(f"--resume: the checkpoint in {path!r} was made with other settings: "
                          + "; ".join(diffs[:3]))

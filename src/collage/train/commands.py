@@ -16,14 +16,16 @@ from ..errors import UsageError
 from ..optim import consolidate
 from .build import resolve_device
 from .checkpoint import save_atomic
-from .compare import compare, write_json
+from .compare import compare
 from .config import Config, strategies
 from .data import VOCAB_SIZE, load_corpus, make_batches
 from .distributed import launch, teardown, under_launcher
 from .flags import add_config_flags, config_from_args
 from .memory import COMPARED_WITH, GRAD_DTYPES, bytes_per_param, memory_table
 from .models import build_model, is_causal
+from .outputs import write_json
 from .runner import train_strategy
+from .runs import plan_runs
 
 __all__ = ["register", "parse_count"]
 
@@ -103,15 +105,19 @@ def _print(message: str) -> None:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     config = config_from_args(args, "compare")
-    # Fail fast, in the parent, on data that cannot work (one line instead of a child's error).
-    make_batches(load_corpus(config.data), config.data, context=config.model.context,
-                 causal=is_causal(config.model.family), seed=config.run.seed)
+    if not config.run.report_only:
+        # Fail fast, in the parent, on data that cannot work (one line instead of a child's
+        # error); this also fills the BPE cache before the children read it.
+        make_batches(load_corpus(config.data), config.data, context=config.model.context,
+                     causal=is_causal(config.model.family), seed=config.run.seed)
     out = _out_dir(config, "compare")
     _check_out(out)
     if not config.run.quiet:
-        jobs = len(config.run.strategy_list()) * max(len(config.run.beta2s), 1)
-        print(f"collage compare: preset {config.preset}, {jobs} runs of {config.run.steps} "
-              f"steps -> {out}", flush=True)
+        runs = plan_runs(config)
+        print(f"collage compare: preset {config.preset}, {len(runs)} runs of "
+              f"{config.run.steps} steps -> {out}", flush=True)
+        if config.run.seeds > 1 or config.run.lrs:
+            print("strategies: " + ", ".join(config.run.strategy_list()), flush=True)
     compare(config, out, log=_print)
     if not config.run.quiet:
         print(f"wrote {out}/report.md, results.json, results.csv, history.json, plots")

@@ -9,92 +9,84 @@ that strategy alone. Output (``--out DIR``): ``results.json``, ``results.csv``,
 
 from __future__ import annotations
 
-import csv
-import json
-import math
 import multiprocessing
 import os
-import platform
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass
 from queue import Empty
 from typing import Any
 
 import torch
 
-import collage
-
+from ..errors import UsageError
 from .build import initial_weights, state_checksum
 from .config import Config
-from .memory import bytes_per_param
-from .report import fmt, report_markdown, write_plots
+from .outputs import write_outputs
+from .report import fmt
 from .runner import train_strategy
-
-__all__ = ["compare", "environment", "write_outputs", "write_json", "CSV_FIELDS"]
-
-CSV_FIELDS = (
-    "label", "strategy", "beta2", "final_val_loss", "final_val_ppl", "val_loss_vs_fp32",
-    "final_train_loss", "best_val_loss", "edq_mean", "imprecision_mean", "edq_visible_mean",
-    "imprecision_visible_mean", "tokens_per_s", "train_time_s", "wall_time_s",
-    "cpu_time_s", "persistent_bytes", "bytes_per_param_measured", "bytes_per_param_model",
-    "peak_memory_bytes", "peak_memory_measured", "optimizer_step_peak_bytes",
-    "process_peak_rss_bytes", "rss_before_bytes", "n_params", "steps",
+from .runs import (
+    Run,
+    load_result,
+    plan_runs,
+    run_config,
+    run_dir,
+    save_result,
+    training_lock,
 )
 
-
-#: The run the "vs fp32" column compares with (same beta2).
-REFERENCE = "fp32"
+__all__ = ["compare"]
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+@dataclass(frozen=True)
+class _Task:
+    """What a process needs to train one run (plain data: it crosses to spawned children).
+    ``directory``: the run's own directory under ``--out/runs`` (with ``--resume``), where
+    it checkpoints and records its result; None: nothing is kept."""
+
+    config: dict[str, Any]  # the run's configuration (its seed, lr and beta2 set)
+    strategy: str
+    beta2: float
+    label: str
+    threads: int | None
+    jobs: int  # runs trained at the same time (recorded in the summary)
+    directory: str | None
+    checkpoint_every: int
 
 
-def environment(device: str = "cpu") -> dict[str, Any]:
-    """Versions and machine, for the report."""
-    env = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "collage": collage.__version__,
-        "platform": platform.platform(),
-        "cpu": _cpu_model(),
-        "cpu_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-    }
-    try:
-        env["cpu_cores_usable"] = len(os.sched_getaffinity(0))
-    except AttributeError:
-        pass
-    if device != "cpu" and torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
-        env["cuda"] = torch.version.cuda
-    return env
+def _task(config: Config, run: Run, out_dir: str, threads: int | None, jobs: int) -> _Task:
+    keep = config.run.resume
+    return _Task(config=run_config(config, run).to_dict(), strategy=run.strategy,
+                 beta2=run.beta2, label=run.label, threads=threads, jobs=jobs,
+                 directory=run_dir(out_dir, run) if keep else None,
+                 checkpoint_every=config.run.checkpoint_every)
 
 
-def _run_one(config_dict: dict[str, Any], strategy: str, beta2: float, label: str,
-             init: dict[str, torch.Tensor], threads: int | None, isolated: bool,
+def _run_one(task: _Task, init: dict[str, torch.Tensor], isolated: bool,
              progress=None) -> dict[str, Any]:
-    """Train one strategy; the part of the result that crosses process boundaries."""
-    config = Config.from_dict(config_dict)
+    """Train one run (continuing its checkpoint, if it has a directory); the part of the
+    result that crosses process boundaries, recorded in its directory when it has one."""
+    config = Config.from_dict(task.config)
     t0 = time.perf_counter()
-    result = train_strategy(config, strategy, beta2=beta2, init=init, label=label,
-                            progress=progress, threads=threads)
-    summary = result["summary"]
-    summary["wall_time_s"] = time.perf_counter() - t0
-    summary["isolated"] = isolated
-    return {"summary": summary, "history": result["history"]}
+    kept = {} if task.directory is None else {
+        "out_dir": task.directory, "checkpoint_every": task.checkpoint_every, "resume": True}
+    with training_lock(task.directory) if task.directory else nullcontext():
+        result = train_strategy(config, task.strategy, beta2=task.beta2, init=init,
+                                label=task.label, progress=progress, threads=task.threads,
+                                **kept)
+        summary = result["summary"]
+        summary["wall_time_s"] = time.perf_counter() - t0
+        summary["isolated"] = isolated
+        summary["jobs"] = task.jobs
+        finished = {"summary": summary, "history": result["history"]}
+        if task.directory is not None:
+            save_result(task.directory, config, finished)
+    return finished
 
 
-def _child(index: int, queue, config_dict: dict[str, Any], strategy: str, beta2: float,
-           label: str, init_path: str, threads: int | None) -> None:
+def _child(index: int, queue, task: _Task, init_path: str) -> None:
     """Entry point of a spawned process: train, report progress and the result on ``queue``."""
     pending = [0, time.monotonic()]
 
@@ -106,7 +98,7 @@ def _child(index: int, queue, config_dict: dict[str, Any], strategy: str, beta2:
 
     try:
         init = torch.load(init_path, map_location="cpu", weights_only=True)
-        result = _run_one(config_dict, strategy, beta2, label, init, threads, True, progress)
+        result = _run_one(task, init, True, progress)
         if pending[0]:
             queue.put(("progress", index, pending[0]))
         queue.put(("done", index, result))
@@ -117,18 +109,32 @@ def _child(index: int, queue, config_dict: dict[str, Any], strategy: str, beta2:
             queue.put(("error", index, RuntimeError(f"{type(error).__name__}: {error}")))
 
 
-def _jobs(config: Config) -> list[tuple[str, float, str]]:
-    beta2s = config.run.beta2s or (config.optim.beta2,)
-    jobs = []
-    for beta2 in beta2s:
-        for strategy in config.run.strategy_list():
-            label = strategy if len(beta2s) == 1 else f"{strategy} b2={beta2:g}"
-            jobs.append((strategy, beta2, label))
-    return jobs
+class _InitialWeights:
+    """The float32 initial weights of each seed, built once (``initial_weights``), and
+    their checksums; for spawned children, saved once per seed in a temporary directory."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._weights: dict[int, dict[str, torch.Tensor]] = {}
+        self._paths: dict[int, str] = {}
+
+    def weights(self, seed: int) -> dict[str, torch.Tensor]:
+        if seed not in self._weights:
+            self._weights[seed] = initial_weights(self.config.replace(run={"seed": seed}))
+        return self._weights[seed]
+
+    def checksum(self, seed: int) -> str:
+        return state_checksum(self.weights(seed))
+
+    def path(self, seed: int, directory: str) -> str:
+        if seed not in self._paths:
+            self._paths[seed] = os.path.join(directory, f"init-seed{seed}.pt")
+            torch.save(self.weights(seed), self._paths[seed])
+        return self._paths[seed]
 
 
 def _bar(total: int, quiet: bool):
-    if quiet or not sys.stderr.isatty():
+    if quiet or not sys.stderr.isatty() or not total:
         return None
     try:
         from tqdm.auto import tqdm
@@ -137,76 +143,79 @@ def _bar(total: int, quiet: bool):
     return tqdm(total=total, desc="compare", unit="step", dynamic_ncols=True, file=sys.stderr)
 
 
+def _finished(config: Config, runs: list[Run], out_dir: str) -> list[dict[str, Any] | None]:
+    """The results already recorded in ``out_dir`` (``--resume``, ``--report-only``); None
+    for the runs still to train."""
+    if not (config.run.resume or config.run.report_only):
+        return [None] * len(runs)
+    return [load_result(run_dir(out_dir, run), run_config(config, run)) for run in runs]
+
+
 def compare(config: Config, out_dir: str, *, log=print) -> list[dict[str, Any]]:
-    """Run every strategy (and beta2) of ``config``, write the outputs, return the records.
+    """Train every run of ``config`` (strategy x beta2 x learning rate x seed), write the
+    outputs, return the runs' summaries.
 
     With ``config.run.isolate`` each run is a fresh ``spawn``-ed process (``jobs`` of them at
     a time, ``threads`` torch threads each); otherwise all run here, one after the other.
+    With ``config.run.resume`` runs finished in ``out_dir`` are not trained again and
+    interrupted ones continue from their checkpoints; ``report_only`` trains nothing.
     """
     os.makedirs(out_dir, exist_ok=True)
-    init = initial_weights(config)
-    checksum = state_checksum(init)
-    jobs = _jobs(config)
-    n_jobs = config.run.resolved_jobs(len(jobs))
+    runs = plan_runs(config)
+    inits = _InitialWeights(config)
+    results = _finished(config, runs, out_dir)
+    pending = [] if config.run.report_only else [i for i, r in enumerate(results) if r is None]
+    n_jobs = config.run.resolved_jobs(len(pending) or 1)
     threads = config.run.resolved_threads(n_jobs) if config.run.isolate else config.run.threads
     started = time.time()
-    bar = _bar(len(jobs) * config.run.steps, config.run.quiet)
+    bar = _bar(len(pending) * config.run.steps, config.run.quiet)
     say = (lambda msg: (bar.write(msg) if bar is not None else log(msg))) if log else None
-    results: list[dict[str, Any] | None] = [None] * len(jobs)
+    if say and len(pending) < len(runs):
+        say(f"{len(runs) - len(pending)} of {len(runs)} runs already finished in {out_dir}")
+    tasks = {i: _task(config, runs[i], out_dir, threads, n_jobs) for i in pending}
     try:
         if config.run.isolate:
-            _run_isolated(config, jobs, init, out_dir, n_jobs, threads, results, bar, say)
+            _run_isolated(config, runs, tasks, inits, out_dir, n_jobs, results, bar, say)
         else:
             update = bar.update if bar is not None else None
-            for i, (strategy, beta2, label) in enumerate(jobs):
-                results[i] = _run_one(config.to_dict(), strategy, beta2, label, init, threads,
-                                      False, update)
+            for i, task in tasks.items():
+                results[i] = _run_one(task, inits.weights(runs[i].seed), False, update)
                 _log_result(say, results[i]["summary"], config.run.quiet)
     finally:
         if bar is not None:
             bar.close()
-    done = [r for r in results if r is not None]
-    for r in done:
-        if r["summary"]["init_checksum"] != checksum:  # a broken invariant, not a user error
-            raise RuntimeError(f"{r['summary']['label']} did not start from the shared initial "
-                               "weights")
-    for r in done:
-        r["summary"]["jobs"] = n_jobs
+    done = [(run, r) for run, r in zip(runs, results) if r is not None]
+    if not done:
+        raise UsageError(f"--report-only: no finished run in {out_dir}/runs")
+    for run, r in done:
+        if r["summary"]["init_checksum"] != inits.checksum(run.seed):  # a broken invariant
+            raise RuntimeError(f"{run.label} did not start from the shared initial weights")
     write_outputs(config, done, out_dir, wall_time_s=time.time() - started)
-    return [r["summary"] for r in done]
+    return [r["summary"] for _, r in done]
 
 
-def _run_isolated(config, jobs, init, out_dir, n_jobs, threads, results, bar, say) -> None:
+def _run_isolated(config, runs, tasks, inits, out_dir, n_jobs, results, bar, say) -> None:
+    """Train ``tasks`` in spawned processes, ``n_jobs`` at a time; fill ``results``."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix=".init-", dir=out_dir) as tmp:
-        init_path = os.path.join(tmp, "init.pt")
-        torch.save(init, init_path)
-        waiting = list(range(len(jobs)))
+        waiting = list(tasks)
         running: dict[int, Any] = {}
         try:
             while waiting or running:
                 while waiting and len(running) < n_jobs:
                     i = waiting.pop(0)
-                    strategy, beta2, label = jobs[i]
-                    proc = ctx.Process(target=_child, name=f"collage-{label}", daemon=True,
-                                       args=(i, queue, config.to_dict(), strategy, beta2,
-                                             label, init_path, threads))
+                    proc = ctx.Process(target=_child, name=f"collage-{runs[i].label}",
+                                       daemon=True, args=(i, queue, tasks[i],
+                                                          inits.path(runs[i].seed, tmp)))
                     proc.start()
                     running[i] = proc
                     if bar is not None:
-                        bar.set_postfix_str(", ".join(jobs[j][2] for j in sorted(running)))
-                try:
-                    kind, i, payload = queue.get(timeout=1.0)
-                except Empty:  # check for children that died without a word
-                    for j, proc in list(running.items()):
-                        if not proc.is_alive() and queue.empty():
-                            proc.join(1.0)
-                            raise RuntimeError(
-                                f"the process training {jobs[j][2]!r} died (exit code "
-                                f"{proc.exitcode}) without a result; out of memory?"
-                            ) from None
+                        bar.set_postfix_str(", ".join(runs[j].label for j in sorted(running)))
+                message = _next_message(queue, running, runs)
+                if message is None:
                     continue
+                kind, i, payload = message
                 if kind == "progress":
                     if bar is not None:
                         bar.update(payload)
@@ -223,71 +232,23 @@ def _run_isolated(config, jobs, init, out_dir, n_jobs, threads, results, bar, sa
                 proc.join()
 
 
+def _next_message(queue, running: dict[int, Any], runs: list[Run]):
+    """The next message of a child, or None after a second of silence; a RuntimeError when
+    a child died without a word."""
+    try:
+        return queue.get(timeout=1.0)
+    except Empty:
+        for j, proc in list(running.items()):
+            if not proc.is_alive() and queue.empty():
+                proc.join(1.0)
+                raise RuntimeError(
+                    f"the process training {runs[j].label!r} died (exit code "
+                    f"{proc.exitcode}) without a result; out of memory?") from None
+        return None
+
+
 def _log_result(log, s: dict[str, Any], quiet: bool) -> None:
     if not quiet and log is not None:
         log(f"{s['label']:<16} val loss {s['final_val_loss']:.4f}  "
             f"EDQ {fmt(s['edq_mean'], '.3f')}  {fmt(s['tokens_per_s'], ',.0f')} tok/s  "
             f"{s['wall_time_s']:.1f} s")
-
-
-# --------------------------------------------------------------------------------------------
-# Outputs
-# --------------------------------------------------------------------------------------------
-
-
-def _finite_or_none(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_none(v) for v in value]
-    return value
-
-
-def _records(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Summaries with the derived columns (loss vs fp32, the memory model's bytes/param)."""
-    reference = {r["summary"]["beta2"]: r["summary"]["final_val_loss"]
-                 for r in results if r["summary"]["strategy"] == REFERENCE}
-    records = []
-    for r in results:
-        s = dict(r["summary"])
-        ref = reference.get(s["beta2"])
-        s["val_loss_vs_fp32"] = (s["final_val_loss"] - ref) / ref if ref else None
-        s["bytes_per_param_model"] = bytes_per_param(s["strategy"]).total
-        records.append(s)
-    return records
-
-
-def write_outputs(config: Config, results: list[dict[str, Any]], out_dir: str, *,
-                  wall_time_s: float) -> None:
-    """results.json/.csv, history.json, config.json, report.md and the plots."""
-    records = _records(results)
-    env = environment(config.run.device)
-    settings = {"config": config.to_dict(), "environment": env, "wall_time_s": wall_time_s,
-                "command": "collage " + " ".join(sys.argv[1:]) if sys.argv else ""}
-    write_json(os.path.join(out_dir, "results.json"), records)
-    write_json(os.path.join(out_dir, "config.json"), settings)
-    write_json(os.path.join(out_dir, "history.json"),
-                {r["summary"]["label"]: r["history"] for r in results})
-    with open(os.path.join(out_dir, "results.csv"), "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        for s in records:
-            writer.writerow({k: _csv_value(s.get(k)) for k in CSV_FIELDS})
-    plots = write_plots(results, out_dir)
-    with open(os.path.join(out_dir, "report.md"), "w") as handle:
-        handle.write(report_markdown(config, records, env, wall_time_s, plots))
-
-
-def _csv_value(value: Any) -> Any:
-    if isinstance(value, float):
-        return "" if not math.isfinite(value) else f"{value:.6g}"
-    return "" if value is None else value
-
-
-def write_json(path: str, obj: Any) -> None:
-    """``obj`` as indented JSON, non-finite floats as null."""
-    with open(path, "w") as handle:
-        json.dump(_finite_or_none(obj), handle, indent=1)
-        handle.write("\n")

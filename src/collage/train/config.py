@@ -34,6 +34,9 @@ __all__ = [
 
 #: The model families of ``collage.train.models`` (which builds each from a ModelConfig).
 FAMILIES = ("gpt", "llama", "bert")
+#: ``--data stdlib``: the source of Python's standard library (``collage.train.data``).
+STDLIB = "stdlib"
+TOKENIZERS = ("bytes", "bpe")
 SCHEDULES = ("constant", "cosine", "linear")
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -140,8 +143,9 @@ class ModelConfig:
 class DataConfig:
     """The text: built-in corpus, a local file, or a Hugging Face dataset."""
 
-    path: str | None = _opt(None, "local text file to train on (default: the built-in corpus, "
-                            "Python's pydoc topics)", flag="--data", metavar="PATH")
+    path: str | None = _opt(None, "local text file to train on, or 'stdlib': the source of "
+                            "Python's standard library, split by file (default: the built-in "
+                            "corpus, Python's pydoc topics)", flag="--data", metavar="PATH")
     dataset: str | None = _opt(None, "Hugging Face dataset name or local data file/directory "
                                "(needs the datasets package)", metavar="NAME|PATH")
     dataset_config: str | None = _opt(None, "configuration name of --dataset "
@@ -152,12 +156,21 @@ class DataConfig:
     val_fraction: float = _opt(0.1, "fraction of the text held out for validation")
     batch_size: int = _opt(16, "sequences per optimizer step")
     mlm_probability: float = _opt(0.15, "fraction of tokens masked (bert)")
+    tokenizer: str = _opt("bytes", "bytes (UTF-8 bytes, 257 ids) or bpe (a byte-level BPE "
+                          "tokenizer trained on the training text; needs tokenizers)",
+                          choices=TOKENIZERS)
+    vocab_size: int = _opt(4096, "vocabulary size of --tokenizer bpe")
 
     def __post_init__(self) -> None:
         _finite("data", self)
         if self.path is not None and self.dataset is not None:
             _fail("data", "path", "give either --data or --dataset, not both")
-        if self.path is not None:
+        if self.tokenizer not in TOKENIZERS:
+            _fail("data", "tokenizer", f"unknown tokenizer {self.tokenizer!r}; valid: "
+                  + ", ".join(TOKENIZERS))
+        if self.vocab_size < 512:  # the 256 bytes and enough merges to be worth a BPE
+            _fail("data", "vocab_size", f"must be at least 512, got {self.vocab_size}")
+        if self.path is not None and self.path != STDLIB:
             if not os.path.exists(self.path):
                 _fail("data", "path", f"cannot read {self.path!r}: no such file")
             if not os.path.isfile(self.path):
@@ -233,10 +246,24 @@ class RunConfig:
     jobs: int | None = _opt(None, "strategies trained at the same time, each in its own "
                             "process (none: one per CPU core on CPU, 1 on CUDA; needs "
                             "--isolate)", commands=("compare",))
+    seeds: int = _opt(1, "train every run from this many seeds: --seed, --seed + 1, ... "
+                      "(initial weights and data order; the same seeds for every strategy, so "
+                      "that comparisons are paired); the report gives mean ± Student t "
+                      "interval and paired tests", commands=("compare",))
+    lrs: tuple[float, ...] = _opt((), "run at each of these peak learning rates (overrides "
+                                  "--lr); the report gives each strategy's best",
+                                  commands=("compare",))
+    lrs_strategies: tuple[str, ...] = _opt((), "the strategies run at every --lrs value "
+                                           "(none: all); the others run at --lr alone",
+                                           commands=("compare",))
     checkpoint_every: int = _opt(0, "write a checkpoint every this many steps (0: only at "
-                                 "the end)", commands=("train",))
-    resume: bool = _opt(False, "continue from the checkpoint in --out if there is one",
-                        commands=("train",))
+                                 "the end; compare: with --resume)", commands=("train", "compare"))
+    resume: bool = _opt(False, "continue from the checkpoint in --out if there is one "
+                        "(compare: each run keeps its own in --out/runs/, finished runs are "
+                        "skipped, so the same command continues an interrupted comparison)",
+                        commands=("train", "compare"))
+    report_only: bool = _opt(False, "train nothing: write the outputs from the runs finished "
+                             "in --out/runs/ (those of --resume)", commands=("compare",))
     stop_after: int | None = _opt(None, "stop (with a checkpoint) after this step, as if "
                                   "interrupted; --resume continues", commands=("train",))
     nproc: int = _opt(1, "processes to train with: data parallel under torchrun (DDP; gloo "
@@ -246,9 +273,12 @@ class RunConfig:
     def __post_init__(self) -> None:
         self.strategies = tuple(self.strategies)
         self.beta2s = tuple(float(b) for b in self.beta2s)
+        self.lrs = tuple(float(lr) for lr in self.lrs)
+        self.lrs_strategies = tuple(self.lrs_strategies)
         _finite("run", self)
         _positive("run", self, "steps", "eval_every", "eval_batches", "threads", "stop_after",
-                  "jobs", "nproc")
+                  "jobs", "nproc", "seeds")
+        self._check_sweeps()
         for name in ("track_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 _fail("run", name, f"must not be negative, got {getattr(self, name)}")
@@ -265,6 +295,19 @@ class RunConfig:
         for b in self.beta2s:
             if not (math.isfinite(b) and 0.0 <= b < 1.0):
                 _fail("run", "beta2s", f"every beta2 must be in [0, 1), got {b}")
+
+    def _check_sweeps(self) -> None:
+        """--lrs and --lrs-strategies: positive, finite, distinct, strategies compared."""
+        for lr in self.lrs:
+            if not (math.isfinite(lr) and lr > 0):
+                _fail("run", "lrs", f"every learning rate must be positive, got {lr}")
+        if len(set(self.lrs)) != len(self.lrs):
+            _fail("run", "lrs", "a learning rate is listed twice")
+        if self.lrs_strategies and not self.lrs:
+            _fail("run", "lrs_strategies", "names the strategies of --lrs, which is not given")
+        for name in self.lrs_strategies:  # one not compared is not run (a preset's list
+            if name not in strategies():    # stays valid under --strategies)
+                _fail("run", "lrs_strategies", f"unknown strategy {name!r}")
 
     def strategy_list(self) -> tuple[str, ...]:
         return self.strategies or DEFAULT_COMPARE
@@ -312,6 +355,9 @@ class Config:
         if self.run.stop_after is not None and self.run.stop_after > self.run.steps:
             raise UsageError(f"--stop-after {self.run.stop_after} exceeds --steps "
                              f"{self.run.steps}")
+        if self.data.tokenizer != "bytes" and self.model.family == "bert":
+            raise UsageError("--tokenizer bpe: the masked LM (bert) masks with the byte "
+                             "vocabulary's [MASK] id; use --tokenizer bytes")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -390,8 +436,32 @@ def bert_small() -> Config:
     )
 
 
+#: The strategies of the study (docs/study.md), in its order; those this build of collage
+#: does not register (``collage.STRATEGIES``) are left out of the preset.
+STUDY_STRATEGIES = ("fp32", "mixed", "bf16", "stochastic", "kahan", "light", "plus", "split",
+                    "feedback", "plus8")
+
+
+def study() -> Config:
+    """The study of docs/study.md: a LLaMA-style model on the standard library's source
+    (BPE), every study strategy at beta2 0.95 and 0.999 from 3 seeds, ``stochastic`` also at
+    half and twice the learning rate; resumable (``--resume`` on, a checkpoint every 100
+    steps). Sized for about 3.5 hours on 2 CPU cores (the arithmetic: docs/study.md)."""
+    return Config(
+        model=ModelConfig(family="llama", d_model=192, n_layers=4, n_heads=4, context=256),
+        data=DataConfig(path=STDLIB, tokenizer="bpe", vocab_size=4096, batch_size=8),
+        optim=OptimConfig(lr=2e-3, beta2=0.95, weight_decay=0.1, warmup_steps=60,
+                          min_lr_ratio=0.1, grad_clip=1.0),
+        run=RunConfig(steps=600, eval_every=150, eval_batches=16, track_every=50, seeds=3,
+                      beta2s=(0.95, 0.999), lrs=(1e-3, 2e-3, 4e-3),
+                      lrs_strategies=("stochastic",), resume=True, checkpoint_every=100,
+                      strategies=tuple(s for s in STUDY_STRATEGIES if s in strategies())),
+        preset="study",
+    )
+
+
 PRESETS = {"quick": quick, "paper-small": paper_small, "bert-small": bert_small,
-           "micro": micro}
+           "micro": micro, "study": study}
 
 
 def get_preset(name: str) -> Config:

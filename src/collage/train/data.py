@@ -1,9 +1,12 @@
-"""Text, byte-level tokens, a fixed train/validation split and deterministic batches.
+"""Text, tokens, a fixed train/validation split and deterministic batches.
 
 The default corpus is the English text bundled with every Python installation
 (``pydoc_data.topics``: the language reference behind ``help()``, about 0.46 MB), so nothing is
-downloaded. Text is tokenised as UTF-8 bytes (ids 0..255) plus one special ``[MASK]`` id (256)
-for masked-LM training, so every corpus and model share one 257-token vocabulary.
+downloaded; ``--data stdlib`` is the larger one that also ships with every Python: the source
+of its standard library (about 31 MB of ``.py`` files), split by file. Text is tokenised as
+UTF-8 bytes (ids 0..255) plus one special ``[MASK]`` id (256) for masked-LM training, so every
+corpus and model share one 257-token vocabulary; or, with ``--tokenizer bpe``, by a byte-level
+BPE tokenizer trained on the training side (``collage.train.bpe``).
 
 Determinism: the split is a pure function of the text and ``val_fraction``; the batch of step
 ``s`` is a pure function of ``(seed, s)``. Every strategy therefore sees the same data in the
@@ -15,11 +18,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
+import sysconfig
 from dataclasses import dataclass
+
 import torch
 
 from ..errors import UsageError
-from .config import DataConfig
+from .bpe import bpe_encode
+from .config import STDLIB, DataConfig
 
 __all__ = [
     "MASK_ID",
@@ -28,6 +35,8 @@ __all__ = [
     "Corpus",
     "Batches",
     "builtin_text",
+    "stdlib_files",
+    "vocab_size",
     "encode",
     "decode",
     "load_corpus",
@@ -47,6 +56,27 @@ def builtin_text() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
+def stdlib_files() -> tuple[str, list[str]]:
+    """``(root, paths)``: every ``.py`` file of this Python's standard library
+    (``sysconfig.get_paths()["stdlib"]``), as sorted paths relative to the root; installed
+    third-party packages (``site-packages``, ``dist-packages``) and caches are left out."""
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    found = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in skip]
+        rel = os.path.relpath(directory, root)
+        found += [os.path.normpath(os.path.join(rel, n)) for n in names if n.endswith(".py")]
+    return root, sorted(found)
+
+
+def vocab_size(cfg: DataConfig) -> int:
+    """The model's vocabulary for ``cfg``: 257 for bytes, ``--vocab-size`` for BPE (the
+    tokenizer may learn fewer tokens from a short text; the rows it leaves unused are never
+    a target)."""
+    return VOCAB_SIZE if cfg.tokenizer == "bytes" else cfg.vocab_size
+
+
 def encode(text: str | bytes) -> torch.Tensor:
     """UTF-8 bytes as a uint8 tensor of token ids."""
     data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
@@ -63,7 +93,7 @@ def split_tokens(tokens: torch.Tensor, val_fraction: float) -> tuple[torch.Tenso
     """``(train, val)``: chunks of :data:`SPLIT_CHUNK` tokens, every ``1/val_fraction``-th one
     (evenly spread through the text, so both sides cover every topic) goes to validation."""
     chunks = list(torch.split(tokens, SPLIT_CHUNK))
-    is_val = [int((i + 1) * val_fraction) > int(i * val_fraction) for i in range(len(chunks))]
+    is_val = [_held_out(i, val_fraction) for i in range(len(chunks))]
     train = [c for c, v in zip(chunks, is_val) if not v]
     val = [c for c, v in zip(chunks, is_val) if v]
     empty = tokens[:0]
@@ -101,7 +131,7 @@ class Batches:
 
     def __init__(self, tokens: torch.Tensor, *, batch_size: int, context: int, causal: bool,
                  seed: int, mlm_probability: float = 0.15) -> None:
-        self.tokens = tokens.long()
+        self.tokens = tokens  # as stored (uint8 bytes, int16 BPE ids): windows become long
         self.batch_size, self.context, self.causal = batch_size, context, causal
         self.seed, self.mlm_probability = seed, mlm_probability
         self.n_windows = max(len(tokens) // context - 1, 0)
@@ -113,7 +143,7 @@ class Batches:
     def _windows(self, starts: torch.Tensor) -> torch.Tensor:
         length = self.context + (1 if self.causal else 0)
         index = starts[:, None] + torch.arange(length)[None, :]
-        return self.tokens[index]
+        return self.tokens[index].long()
 
     def position(self, step: int) -> dict[str, int]:
         """Where step ``step`` reads: epoch and batch index within it."""
@@ -157,6 +187,7 @@ class Corpus:
     train: torch.Tensor
     val: torch.Tensor
     source: str
+    vocab_size: int = VOCAB_SIZE
 
     @property
     def n_tokens(self) -> int:
@@ -220,8 +251,36 @@ def _iter_column(ds, column: str):
         yield row[column]
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
-    """Read, tokenise and split the text named by ``cfg`` (the built-in corpus by default)."""
+def _stdlib_split(cfg: DataConfig) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """The standard library's source split by file: files in sorted path order, each
+    ``1/val_fraction``-th one held out (as :func:`split_tokens` holds out chunks), each file
+    followed by a newline; ``max_bytes`` keeps the first files of that order (the last one
+    cut) so that a test can train on a slice."""
+    root, paths = stdlib_files()
+    sides: tuple[list[bytes], list[bytes]] = ([], [])
+    total, limit = 0, cfg.max_bytes or sys.maxsize
+    for i, path in enumerate(paths):
+        if total >= limit:
+            break
+        data = (_read_file(os.path.join(root, path)) + b"\n")[: limit - total]
+        sides[int(_held_out(i, cfg.val_fraction))].append(data)
+        total += len(data)
+    n_val = len(sides[1])
+    source = (f"the Python {sys.version.split()[0]} standard library's source ({root}: "
+              f"{n_val + len(sides[0])} .py files in sorted order, {n_val} of them, evenly "
+              "spread, held out for validation)")
+    return encode(b"".join(sides[0])), encode(b"".join(sides[1])), source
+
+
+def _held_out(index: int, val_fraction: float) -> bool:
+    """Whether unit ``index`` (a chunk, a file) is validation: every ``1/val_fraction``-th."""
+    return int((index + 1) * val_fraction) > int(index * val_fraction)
+
+
+def _byte_split(cfg: DataConfig) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """``(train bytes, validation bytes, description)`` of the text named by ``cfg``."""
+    if cfg.path == STDLIB:
+        return _stdlib_split(cfg)
     if cfg.path is not None:
         data, source = _read_file(cfg.path), f"file {os.path.abspath(cfg.path)}"
     elif cfg.dataset is not None:
@@ -233,9 +292,20 @@ def load_corpus(cfg: DataConfig) -> Corpus:
         data, source = builtin_text().encode("utf-8"), "built-in: Python's pydoc_data.topics"
     if cfg.max_bytes is not None:
         data = data[: cfg.max_bytes]
-    tokens = encode(data)
-    train, val = split_tokens(tokens, cfg.val_fraction)
-    return Corpus(train=train, val=val, source=source)
+    train, val = split_tokens(encode(data), cfg.val_fraction)
+    return train, val, source
+
+
+def load_corpus(cfg: DataConfig) -> Corpus:
+    """Read, split and tokenise the text named by ``cfg`` (the built-in corpus by default)."""
+    train, val, source = _byte_split(cfg)
+    if cfg.tokenizer == "bytes":
+        return Corpus(train=train, val=val, source=source)
+    train, val, learned = bpe_encode(train.numpy().tobytes(), val.numpy().tobytes(),
+                                     cfg.vocab_size)
+    return Corpus(train=train, val=val, vocab_size=cfg.vocab_size,
+                  source=f"{source}; byte-level BPE, {learned} tokens learned from the "
+                  "training side")
 
 
 def make_batches(corpus: Corpus, cfg: DataConfig, *, context: int, causal: bool,

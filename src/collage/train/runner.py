@@ -34,11 +34,10 @@ from .build import (
     state_checksum,
 )
 from .checkpoint import (
-    CHECKPOINT_FORMAT,
     CHECKPOINT_NAME,
     load_checkpoint,
     rng_state,
-    save_atomic,
+    save_checkpoint,
     set_rng_state,
 )
 from .config import Config
@@ -175,8 +174,8 @@ def _save(s: Session, step: int, rng: dict[str, Any]) -> None:
     """A checkpoint after ``step`` steps (rank 0, and only when checkpoints were asked)."""
     if s.checkpoint is None or s.checkpoint_every is None or not s.ranks.main:
         return
-    save_atomic({
-        "format": CHECKPOINT_FORMAT, "step": step, "strategy": s.strategy,
+    save_checkpoint({
+        "step": step, "strategy": s.strategy,
         "config": s.config.to_dict(), "model": s.model.state_dict(),
         "optimizer": s.opt.state_dict(), "scheduler": s.sched.state_dict(),
         "data_position": s.train_batches.position(step), "rng": rng,

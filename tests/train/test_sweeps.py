@@ -1,0 +1,251 @@
+"""collage compare over seeds and learning rates: the runs planned, the records (known
+answers: each equals the run trained alone, the statistics those of collage.train.stats),
+the report's sections, and resumption from --out."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from collage.cli import main
+from collage.errors import UsageError
+from collage.train import compare as compare_module
+from collage.train.aggregate import pareto_front, records
+from collage.train.compare import compare
+from collage.train.runner import train_strategy
+from collage.train.runs import RESULT_NAME, Run, plan_runs, run_config, run_dir, training_lock
+from collage.train.stats import estimate, paired_t_test
+
+from .conftest import micro_config
+
+
+def _load(out, name="results.json"):
+    with open(os.path.join(out, name)) as handle:
+        return json.load(handle)
+
+
+def test_plan_covers_every_setting_once_in_order():
+    config = micro_config(run={"strategies": ("fp32", "stochastic"), "beta2s": (0.95, 0.999),
+                               "seeds": 2, "seed": 5, "lrs": (1e-3, 3e-3),
+                               "lrs_strategies": ("stochastic",)},
+                          optim={"lr": 2e-3})
+    runs = plan_runs(config)
+    coords = [(r.beta2, r.lr, r.strategy, r.seed) for r in runs]
+    assert len(coords) == len(set(coords)) == 2 * (1 + 2) * 2
+    assert coords[:6] == [(0.95, 1e-3, "stochastic", 5), (0.95, 1e-3, "stochastic", 6),
+                          (0.95, 2e-3, "fp32", 5), (0.95, 2e-3, "fp32", 6),
+                          (0.95, 3e-3, "stochastic", 5), (0.95, 3e-3, "stochastic", 6)]
+    assert runs[0].cell == "stochastic b2=0.95 lr=0.001"
+    assert runs[0].label == "stochastic b2=0.95 lr=0.001 seed=5"
+    assert runs[0].key == "stochastic_b2-0.95_lr-0.001_seed-5"
+    rc = run_config(config, runs[0])
+    assert (rc.run.seed, rc.optim.lr, rc.optim.beta2) == (5, 1e-3, 0.95)
+    # without seeds and learning rates: today's runs and labels
+    plain = plan_runs(micro_config(run={"strategies": ("fp32", "bf16")}))
+    assert [(r.label, r.seed, r.lr) for r in plain] == [("fp32", 0, 2e-3), ("bf16", 0, 2e-3)]
+
+
+def test_sweep_flags_are_checked():
+    with pytest.raises(UsageError, match="--lrs: every learning rate must be positive"):
+        micro_config(run={"lrs": (1e-3, -1.0)})
+    with pytest.raises(UsageError, match="--lrs-strategies: names the strategies of --lrs"):
+        micro_config(run={"lrs_strategies": ("plus",)})
+    with pytest.raises(UsageError, match="--lrs-strategies: unknown strategy 'fp16'"):
+        micro_config(run={"lrs": (1e-3,), "lrs_strategies": ("fp16",)})
+    with pytest.raises(UsageError, match="--seeds: must be positive"):
+        micro_config(run={"seeds": 0})
+
+
+def test_lrs_records_are_the_runs_at_each_rate(tmp_path):
+    """Known answer: the record at each learning rate is the run trained alone at it."""
+    config = micro_config(run={"strategies": ("fp32", "bf16"), "lrs": (1e-3, 8e-3),
+                               "isolate": False, "steps": 4})
+    compare(config, str(tmp_path), log=None)
+    got = _load(tmp_path)
+    assert [(r["strategy"], r["lr"]) for r in got] == [
+        ("fp32", 1e-3), ("bf16", 1e-3), ("fp32", 8e-3), ("bf16", 8e-3)]
+    for r in got:
+        alone = train_strategy(config.replace(optim={"lr": r["lr"]}), r["strategy"])["summary"]
+        assert r["final_val_loss"] == alone["final_val_loss"]
+        fp32 = next(x for x in got if x["strategy"] == "fp32" and x["lr"] == r["lr"])
+        assert r["val_loss_vs_fp32"] == pytest.approx(
+            r["final_val_loss"] / fp32["final_val_loss"] - 1)
+    for strategy in ("fp32", "bf16"):
+        mine = [r for r in got if r["strategy"] == strategy]
+        best = min(mine, key=lambda r: r["final_val_loss"])
+        assert [r["best_lr"] for r in mine] == [r is best for r in mine]
+    report = (tmp_path / "report.md").read_text()
+    assert "## Best learning rate" in report and "(1 seed: no interval)" in report
+    assert "| strategy | β2 | lr |" in report
+
+
+def test_seeds_records_pool_the_runs_with_paired_tests(tmp_path):
+    """Known answer: per-seed values are the runs trained alone with each seed; mean, std,
+    interval and the paired tests are collage.train.stats' of those values."""
+    strategies = ("fp32", "mixed", "bf16")
+    config = micro_config(run={"strategies": strategies, "seeds": 3, "isolate": False,
+                               "steps": 3, "eval_every": 3})
+    summaries = compare(config, str(tmp_path), log=None)
+    assert len(summaries) == 9
+    got = {r["strategy"]: r for r in _load(tmp_path)}
+    alone = {(s, seed): train_strategy(config.replace(run={"seed": seed}), s)["summary"]
+             for s in strategies for seed in range(3)}
+    for s, r in got.items():
+        losses = [alone[(s, seed)]["final_val_loss"] for seed in range(3)]
+        assert r["seeds"] == [0, 1, 2] and [p["final_val_loss"] for p in r["per_seed"]] == losses
+        e = estimate(losses)
+        assert (r["final_val_loss_mean"], r["final_val_loss_std"], r["final_val_loss_ci95"]) \
+            == (e.mean, e.std, e.ci)
+        assert r["final_val_loss"] == pytest.approx(e.mean)
+        assert len({p["init_checksum"] for p in r["per_seed"]}) == 3  # one init per seed
+    fp32 = [alone[("fp32", seed)]["final_val_loss"] for seed in range(3)]
+    bf16 = [alone[("bf16", seed)]["final_val_loss"] for seed in range(3)]
+    test = got["bf16"]["paired_vs_fp32"]
+    assert test["p"] == paired_t_test(bf16, fp32).p and test["seeds"] == [0, 1, 2]
+    assert got["fp32"]["paired_vs_fp32"] is None and got["fp32"]["paired_vs_mixed"]
+    report = (tmp_path / "report.md").read_text()
+    for needle in ("## Results over seeds", "significant?", "## Final validation loss per seed",
+                   "## Memory against loss (Pareto front)", "seed 0 `", "seeds 0-2"):
+        assert needle in report, needle
+    for name in ("loss.png", "edq.png", "memory.png", "pareto.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert set(_load(tmp_path, "history.json")) == {
+        f"{s} seed={seed}" for s in strategies for seed in range(3)}
+
+
+def test_one_seed_keeps_the_records_as_they_were(tmp_path):
+    config = micro_config(run={"strategies": ("fp32", "bf16"), "isolate": False})
+    compare(config, str(tmp_path), log=None)
+    got = _load(tmp_path)
+    assert not [k for r in got for k in r if k.startswith(("per_seed", "final_val_loss_",
+                                                           "paired", "best_lr", "seeds"))]
+    assert [(r["seed"], r["lr"]) for r in got] == [(0, 2e-3), (0, 2e-3)]
+    assert not (tmp_path / "pareto.png").exists() and not (tmp_path / "runs").exists()
+    assert "over seeds" not in (tmp_path / "report.md").read_text()
+
+
+def _record(strategy, beta2, lr, loss, bytes_per_param=8):
+    return {"strategy": strategy, "beta2": beta2, "lr": lr, "final_val_loss": loss,
+            "bytes_per_param_model": bytes_per_param}
+
+
+def test_pareto_front_keeps_the_undominated():
+    rs = [_record("a", 0.9, 1, 2.0, 8), _record("b", 0.9, 1, 1.9, 10),
+          _record("c", 0.9, 1, 1.95, 12), _record("d", 0.9, 1, 1.8, 16),
+          _record("e", 0.9, 1, 2.1, 8), _record("f", 0.9, 1, 1.8, 16)]
+    assert [r["strategy"] for r in pareto_front(rs)] == ["a", "b", "d"]
+
+
+def test_a_strategy_not_swept_is_compared_at_its_only_rate():
+    """fp32 ran at one rate only: the swept strategy's records refer to that run."""
+    run = Run("stochastic", 0.9, 1e-3, 0, "c", "c")
+    done = [(Run(s, 0.9, lr, 0, f"{s}{lr}", f"{s}{lr}"), {"summary": dict(
+        _record(s, 0.9, lr, loss), label=f"{s}{lr}")}) for s, lr, loss in
+        (("fp32", 2e-3, 2.0), ("stochastic", 1e-3, 2.2), ("stochastic", 3e-3, 1.9))]
+    got = records(done, 1)
+    assert run.key == "stochastic_b2-0.9_lr-0.001_seed-0"
+    assert [round(r["val_loss_vs_fp32"], 6) for r in got] == [0.0, 0.1, -0.05]
+    assert [r["best_lr"] for r in got] == [True, False, True]
+
+
+def test_resume_continues_and_skips_finished_runs(tmp_path, monkeypatch):
+    """Interrupted mid-run, the same command continues it from its checkpoint and trains
+    nothing that finished; the results are bit for bit those of an uninterrupted run."""
+    config = micro_config(run={"strategies": ("fp32", "plus"), "seeds": 2, "isolate": False,
+                               "resume": True, "checkpoint_every": 2, "steps": 6})
+    full = tmp_path / "full"
+    compare(config, str(full), log=None)
+    out = tmp_path / "out"
+    runs = plan_runs(config)
+    # a stopped run (checkpoint at step 3) and a finished one, as an interruption leaves them
+    stopped, finished = runs[1], runs[2]
+    train_strategy(run_config(config, stopped), stopped.strategy, label=stopped.label,
+                   out_dir=run_dir(str(out), stopped), checkpoint_every=2, stop_after=3)
+    os.makedirs(run_dir(str(out), finished))
+    with open(os.path.join(run_dir(str(full), finished), RESULT_NAME)) as src, \
+            open(os.path.join(run_dir(str(out), finished), RESULT_NAME), "w") as dst:
+        dst.write(src.read())
+    trained = []
+    real = compare_module.train_strategy
+
+    def counting(config, strategy, **kwargs):
+        trained.append((strategy, config.run.seed))
+        return real(config, strategy, **kwargs)
+
+    monkeypatch.setattr(compare_module, "train_strategy", counting)
+    compare(config, str(out), log=None)
+    assert sorted(trained) == sorted((r.strategy, r.seed) for r in runs if r != finished)
+    resumed = _load(run_dir(str(out), stopped), RESULT_NAME)["summary"]
+    # its memory was probed at the first step of the resumed call (4), not at step 2
+    assert resumed["completed"] and resumed["peak_memory_measured"].endswith("step 4")
+    exact = ("final_val_loss", "final_train_loss", "edq_mean", "init_checksum")
+    for a, b in zip(_load(full), _load(out)):
+        assert [[p[k] for k in exact] for p in a["per_seed"]] == \
+            [[p[k] for k in exact] for p in b["per_seed"]]
+        assert a["final_val_loss_ci95"] == b["final_val_loss_ci95"]
+    assert not [p for p in out.rglob("checkpoint.pt")], "finished runs drop their checkpoints"
+    trained.clear()
+    compare(config, str(out), log=None)  # everything finished: the outputs again, no training
+    assert trained == []
+    with pytest.raises(UsageError, match="was made with other settings: --weight-decay"):
+        compare(config.replace(optim={"weight_decay": 0.5}), str(out), log=None)
+
+
+def test_report_only_trains_nothing(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    argv = ["compare", "--preset", "micro", "--strategies", "fp32", "bf16", "--seeds", "2",
+            "--steps", "3", "--no-isolate", "--quiet", "--out", out]
+    with pytest.raises(UsageError, match="no finished run"):
+        compare_module.compare(micro_config(run={"report_only": True, "seeds": 2}), out,
+                               log=None)
+    assert main(argv + ["--resume"]) == 0
+    first = _load(out)
+    os.remove(os.path.join(out, "results.json"))
+    assert main(argv + ["--report-only"]) == 0
+    again = _load(out)
+    assert [r["final_val_loss_ci95"] for r in again] == [r["final_val_loss_ci95"] for r in first]
+    assert all(math.isfinite(r["final_val_loss"]) for r in again)
+
+
+def test_fresh_processes_over_seeds_with_resume(tmp_path):
+    """Spawned children get their seed's initial weights and record their results."""
+    config = micro_config(run={"strategies": ("bf16",), "seeds": 2, "jobs": 2, "steps": 3,
+                               "eval_every": 3, "resume": True})
+    compare(config, str(tmp_path), log=None)
+    (record,) = _load(tmp_path)
+    assert record["isolated"] and len({p["init_checksum"] for p in record["per_seed"]}) == 2
+    assert sorted(os.listdir(tmp_path / "runs")) == [
+        "bf16_b2-0.999_lr-0.002_seed-0", "bf16_b2-0.999_lr-0.002_seed-1"]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".init-")]
+
+
+def test_a_run_trained_elsewhere_is_not_trained_twice(tmp_path):
+    config = micro_config(run={"strategies": ("bf16",), "isolate": False, "resume": True})
+    (run,) = plan_runs(config)
+    with training_lock(run_dir(str(tmp_path), run)):  # another process holds the run
+        with pytest.raises(UsageError, match="is being trained by another process"):
+            compare(config, str(tmp_path), log=None)
+    compare(config, str(tmp_path), log=None)  # released: it trains
+
+
+def test_partial_results_pair_only_shared_seeds():
+    """A --report-only of an unfinished comparison: tests use the seeds both settings have;
+    none in common, no test; a diverged setting is never the best."""
+    def done(strategy, lr, seed, loss):
+        run = Run(strategy, 0.9, lr, seed, f"{strategy} lr={lr}", f"{strategy} {lr} {seed}")
+        summary = dict(_record(strategy, 0.9, lr, loss), label=run.label,
+                       final_train_loss=loss, final_val_ppl=math.exp(loss), best_val_loss=loss)
+        return run, {"summary": summary}
+
+    got = records([done("fp32", 1, 0, 2.0), done("fp32", 1, 1, 2.1),
+                   done("bf16", 1, 1, 2.3), done("bf16", 1, 2, 2.2),
+                   done("mixed", 1, 2, 2.0), done("bf16", 2, 0, math.nan),
+                   done("bf16", 2, 1, math.nan)], 3)
+    bf16 = next(r for r in got if r["strategy"] == "bf16" and r["lr"] == 1)
+    assert bf16["paired_vs_fp32"]["seeds"] == [1] and bf16["paired_vs_fp32"]["p"] is None
+    fp32 = next(r for r in got if r["strategy"] == "fp32")
+    assert fp32["paired_vs_mixed"] is None  # no seed in common
+    assert bf16["best_lr"] and bf16["final_val_loss_ci95"] is not None
