@@ -1,0 +1,163 @@
+"""The Triton path of the dispatch: which groups the Triton kernels can step, and the
+runner that steps them (``dispatch.choose`` picks ``"triton"``; ``docs/gpu.md``).
+
+The kernels cover AdamW, SGD and Lion under every strategy with a landing in
+``layout.LANDINGS`` (by ``Strategy.native_code``; plus8's block-scaled 8-bit moments are
+not among them: its groups take the compiled path), weights of the strategy's dtypes whose
+components are float32, bf16, fp16 or int16 (stochastic rounding: bf16 weights). They run
+on CUDA tensors, and on CPU tensors through Triton's interpreter (``TRITON_INTERPRET=1``:
+slow, for tests). Measured steps (``track_updates``) run the compiled kernels.
+
+A capturable step (``capturable=True``) keeps the step counters on the device, computes
+the coefficients there and reads the learning rate from a device tensor when it is one:
+nothing in it waits for the device, so a CUDA graph can capture it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import eager
+from ..group import Entry, GroupStep, advance_steps
+from . import launch as launches
+from . import layout
+
+__all__ = ["available", "unavailable", "fits", "step_triton"]
+
+_CACHE = "triton"  # the group cache's key of this path's launches
+_MAX_LAUNCHES = 16  # launches kept per group (buckets of steps and dtypes)
+
+
+def available(device: torch.device) -> bool:
+    """Whether Triton kernels can run on ``device`` in this process."""
+    return _device_reason(device) is None
+
+
+def _device_reason(device: torch.device) -> str | None:
+    if launches.triton is None:
+        return "Triton is not installed"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu":
+        if launches.triton.knobs.runtime.interpret:
+            return None
+        return "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)"
+    return f"the Triton kernels do not run on {device.type} tensors"
+
+
+def unavailable(group: GroupStep, device: torch.device) -> str | None:
+    """Why the Triton kernels cannot step ``group`` on ``device``, or None where they can."""
+    reason = _device_reason(device)
+    if reason is not None:
+        return reason
+    rule, strategy = group.rule, group.strategy
+    if rule.name not in layout.RULE_CODES:
+        return f"no Triton kernel computes {rule.title}"
+    if strategy.native_code not in layout.LANDINGS:
+        return f"no Triton kernel lands strategy {strategy.name!r}"
+    if group.stats is not None:
+        return "measured steps (track_updates) run the compiled kernels"
+    return None
+
+
+def fits(group: GroupStep, entry: Entry, device: torch.device) -> bool:
+    """Whether the kernels take ``entry``: one flat range of its parameter, every tensor
+    contiguous on ``device``, of dtypes the kernels read (stochastic rounding: bf16)."""
+    dtype = entry.param.dtype
+    if entry.offset is None or not entry.contiguous_on(device):
+        return False
+    strategy = group.strategy
+    if dtype not in strategy.weight_dtypes or (strategy.draws and dtype != torch.bfloat16):
+        return False
+    return all(c.dtype in layout.KINDS for c in strategy.components(group.rule, dtype))
+
+
+def step_triton(group: GroupStep, entries: list[Entry]) -> None:
+    """Step ``entries``: those the kernels take in one launch per weight dtype (and step
+    value), the rest with the eager kernel, one by one (same arithmetic)."""
+    device = entries[0].param.device
+    fit = [e for e in entries if fits(group, e, device)]
+    rest = [e for e in entries if not fits(group, e, device)]
+    if group.hyper.get("capturable", False):
+        if rest:
+            raise ValueError(
+                f"capturable=True: parameter {rest[0].item.name!r} cannot be stepped by the "
+                f"Triton kernels (not contiguous, not on {device}, a shard that is not one "
+                "flat range, or a dtype they do not read); the eager kernel it would need "
+                "synchronises with the device")
+        _step_capturable(group, fit)
+    else:
+        _step(group, fit)
+    for entry in rest:
+        eager.step_one(group, entry, reference=False)
+
+
+def _launch_of(group: GroupStep, key: tuple, bucket: list[Entry],
+               capturable: bool) -> launches.Launch:
+    """The bucket's launch, kept in the group's cache while its tensors stay where they
+    are; its gradients' addresses refreshed."""
+    cache = group.cache.setdefault(_CACHE, {})
+    signature = launches.signature_of(bucket, capturable)
+    launch = cache.get(key)
+    if launch is None or launch.signature != signature:
+        if len(cache) >= _MAX_LAUNCHES:
+            cache.clear()
+        launch = cache[key] = launches.build(group, bucket, capturable, signature)
+    else:
+        launches.refresh_grads(launch, bucket)
+    return launch
+
+
+def _scale(group: GroupStep, device: torch.device) -> torch.Tensor | None:
+    if group.grad_scale is None:
+        return None
+    return group.grad_scale.to(device=device, dtype=torch.float32).reshape(1)
+
+
+def _emulate_fma(device: torch.device) -> bool:
+    """The interpreter's ``tl.fma`` rounds twice: emulate it there (``kernels._fma``)."""
+    return device.type == "cpu"
+
+
+def _step(group: GroupStep, entries: list[Entry]) -> None:
+    """Counters on the host: one launch per (weight dtype, step value), the coefficients
+    as arguments."""
+    if not entries:
+        return
+    advance_steps(entries)
+    device = entries[0].param.device
+    buckets: dict[tuple, list[Entry]] = {}
+    for entry in entries:
+        buckets.setdefault((entry.param.dtype, entry.step), []).append(entry)
+    scale = _scale(group, device)
+    for (dtype, step), bucket in buckets.items():
+        coefficients = group.coefficients(step)
+        key = (dtype, tuple(e.item.position for e in bucket))
+        launch = _launch_of(group, key, bucket, capturable=False)
+        flags = launches.kernel_flags(group, dtype, launches.decays(coefficients), False,
+                                      _emulate_fma(device))
+        launches.launch(launch, flags, launches.step_arguments(group.rule, coefficients),
+                        step, None, scale)
+
+
+def _step_capturable(group: GroupStep, entries: list[Entry]) -> None:
+    """Counters on the device: one launch per weight dtype, each row's coefficients
+    computed there from its counter."""
+    if not entries:
+        return
+    device = entries[0].param.device
+    for entry in entries:
+        if entry.state["step"].device != device:  # the first step: counters move, once
+            entry.state["step"] = entry.state["step"].to(device)
+    torch._foreach_add_([e.state["step"] for e in entries], 1.0)
+    buckets: dict[torch.dtype, list[Entry]] = {}
+    for entry in entries:
+        buckets.setdefault(entry.param.dtype, []).append(entry)
+    scale = _scale(group, device)
+    for dtype, bucket in buckets.items():
+        key = (dtype, tuple(e.item.position for e in bucket), "capturable")
+        launch = _launch_of(group, key, bucket, capturable=True)
+        coefficients = launches.device_coefficients(group, [e.state["step"] for e in bucket])
+        flags = launches.kernel_flags(group, dtype, launches.capturable_decays(group), True,
+                                      _emulate_fma(device))
+        launches.launch(launch, flags, [0.0] * layout.NCOEF, 0, coefficients, scale)
