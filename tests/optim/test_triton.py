@@ -208,6 +208,36 @@ def test_one_launch_steps_every_tensor_and_the_table_is_kept(monkeypatch, ieee_s
 
 
 @needs_triton
+def test_an_unaligned_tensor_gets_its_own_unhinted_launch(monkeypatch, ieee_sqrt):
+    """A view 2 bytes into its storage cannot be loaded in 16-byte vectors: it is stepped
+    by a launch of its own, without the alignment hint; the others keep theirs."""
+    seen = []
+    original = launches.launch
+
+    def spy(launch, *args, **kwargs):
+        seen.append(launch.aligned)
+        return original(launch, *args, **kwargs)
+
+    monkeypatch.setattr(launches, "launch", spy)
+
+    def run(flags):
+        g = torch.Generator().manual_seed(4)
+        storage = torch.randn(301, generator=g).to(torch.bfloat16)
+        params = [torch.nn.Parameter(torch.randn(40, generator=g).to(torch.bfloat16)),
+                  torch.nn.Parameter(storage[1:])]
+        opt = collage.AdamW(params, strategy="plus", nonfinite="ignore", **flags)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+        opt.step()
+        return params
+
+    got, want = run({"fused": "triton"}), run({"foreach": True})
+    assert sorted(seen) == [False, True]
+    for p, q in zip(got, want):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16))
+
+
+@needs_triton
 def test_a_moved_state_rebuilds_the_table(ieee_sqrt):
     """A state replaced by another tensor (load_state_dict, a conversion) is followed."""
     params = _params(torch.bfloat16)

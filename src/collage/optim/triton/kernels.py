@@ -206,23 +206,35 @@ def _store_pair(hi_address, lo_address, offs, x, mask, KIND: tl.constexpr):
 
 
 @triton.jit
+def _address(cell, ALIGNED: tl.constexpr):
+    """The int64 address in ``cell``. ``ALIGNED``: the host checked it is a multiple of 16
+    bytes; said to the compiler, it lets a thread load its elements in 16-byte vectors
+    (an address loaded from memory carries no alignment of its own)."""
+    address = tl.load(cell)
+    if ALIGNED:
+        address = tl.multiple_of(address, 16)
+    return address
+
+
+@triton.jit
 def _load_state(base, column: tl.constexpr, offs, mask, KIND: tl.constexpr,
-                PAIR: tl.constexpr):
+                PAIR: tl.constexpr, ALIGNED: tl.constexpr):
     """A rule state as float32: one column, or a pair ``hi + lo`` (columns ``column`` and
     ``column + 1``) summed in float32."""
-    x = _load(tl.load(base + column), offs, mask, KIND)
+    x = _load(_address(base + column, ALIGNED), offs, mask, KIND)
     if PAIR:
-        x = x + _load(tl.load(base + column + 1), offs, mask, KIND)
+        x = x + _load(_address(base + column + 1, ALIGNED), offs, mask, KIND)
     return x
 
 
 @triton.jit
 def _store_state(base, column: tl.constexpr, offs, x, mask, KIND: tl.constexpr,
-                 PAIR: tl.constexpr):
+                 PAIR: tl.constexpr, ALIGNED: tl.constexpr):
     if PAIR:
-        _store_pair(tl.load(base + column), tl.load(base + column + 1), offs, x, mask, KIND)
+        _store_pair(_address(base + column, ALIGNED), _address(base + column + 1, ALIGNED),
+                    offs, x, mask, KIND)
     else:
-        _store(tl.load(base + column), offs, x, mask, KIND)
+        _store(_address(base + column, ALIGNED), offs, x, mask, KIND)
 
 
 # ---------------------------------------------------------------------------------------
@@ -321,6 +333,8 @@ def multi_tensor_step(
     MOMENTUM: tl.constexpr,  # SGD: momentum != 0
     NESTEROV: tl.constexpr,
     EMULATE_FMA: tl.constexpr,
+    MASKED: tl.constexpr,  # these programs step their tensor's last, partial blocks
+    ALIGNED: tl.constexpr,  # every address is a multiple of 16 bytes
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -328,7 +342,13 @@ def multi_tensor_step(
     block = tl.load(blocks + 2 * pid + 1).to(tl.int64)
     base = table + row * NCOL
     offs = block * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < tl.load(base + C_NUMEL)
+    # A size loaded from memory has no known divisibility, so a mask built from it varies
+    # element by element and forbids vector loads: whole blocks run unmasked, in their
+    # own launch, and only the tails compare
+    if MASKED:
+        mask = offs < tl.load(base + C_NUMEL)
+    else:
+        mask = tl.full([BLOCK], True, tl.int1)
     c0 = _coefficient(coefs, row, 0, k0, CAPTURABLE)
     c1 = _coefficient(coefs, row, 1, k1, CAPTURABLE)
     c2 = _coefficient(coefs, row, 2, k2, CAPTURABLE)
@@ -339,15 +359,15 @@ def multi_tensor_step(
     c7 = _coefficient(coefs, row, 7, k7, CAPTURABLE)
 
     # the gradient, float32, unscaled and negated in registers (``group.prepare_grad``)
-    g = _load(tl.load(grads + row), offs, mask, W_KIND)
+    g = _load(_address(grads + row, ALIGNED), offs, mask, W_KIND)
     if SCALED:
         g = tl.div_rn(g, tl.load(scale))
     if MAXIMIZE:
         g = -g
 
     # the represented weight, float32 (``strategy.load_weight``)
-    param = tl.load(base + C_PARAM)
-    extra = tl.load(base + C_EXTRA)
+    param = _address(base + C_PARAM, ALIGNED)
+    extra = _address(base + C_EXTRA, ALIGNED)
     if LANDING == L_MIXED:
         w = _load(extra, offs, mask, F32)
     elif LANDING == L_LIGHT or LANDING == L_PLUS:
@@ -365,26 +385,26 @@ def multi_tensor_step(
     if RULE == ADAMW:
         # k: one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps,
         # step_size, decay, lr_wd
-        m = _load_state(base, C_STATE, offs, mask, S_KIND, False)
-        v = _load_state(base, C_STATE + 1, offs, mask, S_KIND, SLOW_PAIR)
+        m = _load_state(base, C_STATE, offs, mask, S_KIND, False, ALIGNED)
+        v = _load_state(base, C_STATE + 1, offs, mask, S_KIND, SLOW_PAIR, ALIGNED)
         m = _lerp(m, g, c0, EMULATE_FMA)
         v = _fma(g * c2, g, v * c1, EMULATE_FMA)
         denom = tl.div_rn(tl.sqrt_rn(v), c3) + c4
         update = tl.div_rn(m * -c5, denom)
         decay = c6
         lr_wd = c7
-        _store_state(base, C_STATE, offs, m, mask, S_KIND, False)
-        _store_state(base, C_STATE + 1, offs, v, mask, S_KIND, SLOW_PAIR)
+        _store_state(base, C_STATE, offs, m, mask, S_KIND, False, ALIGNED)
+        _store_state(base, C_STATE + 1, offs, v, mask, S_KIND, SLOW_PAIR, ALIGNED)
         step_scale = c5  # unused: AdamW's update has no scale
     elif RULE == SGD:
         # k: weight_decay, momentum, one_minus_dampening, lr, first_step
         if WEIGHT_DECAY:
             g = _fma(w, tl.broadcast_to(c0, w.shape), g, EMULATE_FMA)
         if MOMENTUM:
-            buf = _load_state(base, C_STATE, offs, mask, S_KIND, False)
+            buf = _load_state(base, C_STATE, offs, mask, S_KIND, False, ALIGNED)
             later = _fma(g, tl.broadcast_to(c2, g.shape), buf * c1, EMULATE_FMA)
             buf = tl.where(c4 != 0, g, later)
-            _store_state(base, C_STATE, offs, buf, mask, S_KIND, False)
+            _store_state(base, C_STATE, offs, buf, mask, S_KIND, False, ALIGNED)
             if NESTEROV:
                 g = _fma(buf, tl.broadcast_to(c1, g.shape), g, EMULATE_FMA)
             else:
@@ -395,11 +415,11 @@ def multi_tensor_step(
         step_scale = -c3
     else:
         # LION; k: one_minus_beta1, one_minus_beta2, lr, decay, lr_wd
-        m = _load_state(base, C_STATE, offs, mask, S_KIND, SLOW_PAIR)
+        m = _load_state(base, C_STATE, offs, mask, S_KIND, SLOW_PAIR, ALIGNED)
         mixed = _lerp(m, g, c0, EMULATE_FMA)
         update = (mixed > 0).to(tl.float32) - (mixed < 0).to(tl.float32)  # torch.sign
         m = _lerp(m, g, c1, EMULATE_FMA)
-        _store_state(base, C_STATE, offs, m, mask, S_KIND, SLOW_PAIR)
+        _store_state(base, C_STATE, offs, m, mask, S_KIND, SLOW_PAIR, ALIGNED)
         decay = c3
         lr_wd = c4
         step_scale = -c2

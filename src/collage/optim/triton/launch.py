@@ -95,16 +95,23 @@ def _row(group: GroupStep, entry: Entry, weight_keys: Sequence[str],
 
 @dataclass
 class Launch:
-    """One bucket's kernel launch, kept between steps: the table, the gradients' addresses,
-    the programs' blocks, on the device; ``signature``: every address and size the table
-    was built from (a change rebuilds it)."""
+    """One bucket's kernel launches, kept between steps: the table and the gradients'
+    addresses on the device, and the programs: ``whole`` blocks (unmasked) and each
+    tensor's last, partial block (``tails``, masked), each ``(row, block index)``.
+    ``aligned``: every address is a multiple of 16 bytes; ``signature``: every address
+    and size the table was built from (a change rebuilds it)."""
 
     signature: tuple
     table: torch.Tensor
     grads: torch.Tensor
     grad_addresses: list[int]
-    blocks: torch.Tensor
-    programs: int
+    whole: torch.Tensor
+    tails: torch.Tensor
+    aligned: bool
+
+    @property
+    def programs(self) -> int:
+        return self.whole.shape[0] + self.tails.shape[0]
 
 
 def _pinned(values: torch.Tensor) -> torch.Tensor:
@@ -120,14 +127,24 @@ def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     return _pinned(values).to(device, non_blocking=True)
 
 
-def _blocks(numels: Sequence[int], block: int) -> torch.Tensor:
-    """``(row, block index)`` of every program: each row's elements in ``block``-element
-    pieces (an empty tensor has none)."""
-    counts = torch.tensor([-(-n // block) for n in numels], dtype=torch.int64)
+def _blocks(numels: Sequence[int], block: int, whole: bool) -> torch.Tensor:
+    """``(row, block index)`` of the programs that step each row's whole ``block``-element
+    blocks (``whole``), or its last, partial block (an empty tensor has neither)."""
+    if whole:
+        counts = torch.tensor([n // block for n in numels], dtype=torch.int64)
+    else:
+        counts = torch.tensor([int(n % block != 0) for n in numels], dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(len(numels)), counts)
     firsts = torch.cumsum(counts, 0) - counts
     index = torch.arange(rows.numel()) - firsts[rows]
+    if not whole:
+        index = torch.tensor([n // block for n in numels], dtype=torch.int64)[rows]
     return torch.stack([rows, index], dim=1).to(torch.int32)
+
+
+def _aligned(addresses: Sequence[int]) -> bool:
+    """Whether every address is a multiple of 16 bytes (a 16-byte vector's)."""
+    return all(address % 16 == 0 for address in addresses)
 
 
 def build(group: GroupStep, entries: Sequence[Entry], capturable: bool,
@@ -139,10 +156,14 @@ def build(group: GroupStep, entries: Sequence[Entry], capturable: bool,
     state_keys = [c.key for c in group.strategy.state_components(group.rule, dtype)]
     rows = [_row(group, e, weight_keys, state_keys, capturable) for e in entries]
     grad_addresses = [e.grad.data_ptr() for e in entries]
-    blocks = _blocks([e.numel for e in entries], block_size(device))
+    addresses = [a for row in rows for a in row[layout.C_PARAM:layout.C_NUMEL]]
+    numels = [e.numel for e in entries]
+    block = block_size(device)
     return Launch(signature, _to_device(torch.tensor(rows, dtype=torch.int64), device),
                   _to_device(torch.tensor(grad_addresses, dtype=torch.int64), device),
-                  grad_addresses, _to_device(blocks, device), blocks.shape[0])
+                  grad_addresses, _to_device(_blocks(numels, block, True), device),
+                  _to_device(_blocks(numels, block, False), device),
+                  _aligned(addresses + grad_addresses))
 
 
 def signature_of(entries: Sequence[Entry], capturable: bool) -> tuple:
@@ -166,6 +187,7 @@ def refresh_grads(launch: Launch, entries: Sequence[Entry]) -> None:
         # stream-ordered: the last launch has read the old addresses before this copy
         launch.grads.copy_(fresh, non_blocking=True)
         launch.grad_addresses = addresses
+        launch.aligned = launch.aligned and _aligned(addresses)
 
 
 # ---------------------------------------------------------------------------------------
@@ -246,16 +268,19 @@ def capturable_decays(group: GroupStep) -> bool:
 
 def launch(launch_: Launch, flags: dict, arguments: Sequence[float], step: int,
            coefficients: torch.Tensor | None, scale: torch.Tensor | None) -> None:
-    """Run one launch: every program of ``launch_``, one kernel call."""
-    if launch_.programs == 0:
-        return
+    """Run a bucket's launches: its whole blocks unmasked, then its tails masked (two
+    kernel calls whatever the number of tensors)."""
     device = launch_.table.device
     interpret = device.type == "cpu"
     kernel = kernel_module(interpret).multi_tensor_step
     spare = launch_.table  # any pointer, for an argument the flags leave unread
     options = {} if interpret else {"num_warps": GPU_WARPS, "enable_fp_fusion": False}
-    args = (launch_.table, launch_.grads, launch_.blocks,
-            spare if coefficients is None else coefficients,
-            spare if scale is None else scale, *arguments, step)
     with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
-        kernel[(launch_.programs,)](*args, **flags, BLOCK=block_size(device), **options)
+        for blocks, masked in ((launch_.whole, False), (launch_.tails, True)):
+            if blocks.shape[0] == 0:
+                continue
+            kernel[(blocks.shape[0],)](
+                launch_.table, launch_.grads, blocks,
+                spare if coefficients is None else coefficients,
+                spare if scale is None else scale, *arguments, step, **flags,
+                MASKED=masked, ALIGNED=launch_.aligned, BLOCK=block_size(device), **options)

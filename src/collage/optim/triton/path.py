@@ -73,8 +73,9 @@ def fits(group: GroupStep, entry: Entry, device: torch.device) -> bool:
 
 
 def step_triton(group: GroupStep, entries: list[Entry]) -> None:
-    """Step ``entries``: those the kernels take in one launch per weight dtype (and step
-    value), the rest with the eager kernel, one by one (same arithmetic)."""
+    """Step ``entries``: those the kernels take in one launch per weight dtype (per step
+    value, and aligned or not), the rest with the eager kernel, one by one (same
+    arithmetic)."""
     device = entries[0].param.device
     fit = [e for e in entries if fits(group, e, device)]
     rest = [e for e in entries if not fits(group, e, device)]
@@ -108,6 +109,14 @@ def _launch_of(group: GroupStep, key: tuple, bucket: list[Entry],
     return launch
 
 
+def _aligned(entry: Entry) -> bool:
+    """Whether every tensor of ``entry`` starts on 16 bytes (the caching allocator's
+    blocks do; a view may not): such entries share launches whose loads are vectors, the
+    others get their own (``kernels._address``)."""
+    tensors = (entry.param, entry.grad, *entry.tensors.values())
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def _scale(group: GroupStep, device: torch.device) -> torch.Tensor | None:
     if group.grad_scale is None:
         return None
@@ -128,11 +137,11 @@ def _step(group: GroupStep, entries: list[Entry]) -> None:
     device = entries[0].param.device
     buckets: dict[tuple, list[Entry]] = {}
     for entry in entries:
-        buckets.setdefault((entry.param.dtype, entry.step), []).append(entry)
+        buckets.setdefault((entry.param.dtype, _aligned(entry), entry.step), []).append(entry)
     scale = _scale(group, device)
-    for (dtype, step), bucket in buckets.items():
+    for (dtype, aligned, step), bucket in buckets.items():
         coefficients = group.coefficients(step)
-        key = (dtype, tuple(e.item.position for e in bucket))
+        key = (dtype, aligned, tuple(e.item.position for e in bucket))
         launch = _launch_of(group, key, bucket, capturable=False)
         flags = launches.kernel_flags(group, dtype, launches.decays(coefficients), False,
                                       _emulate_fma(device))
@@ -147,15 +156,18 @@ def _step_capturable(group: GroupStep, entries: list[Entry]) -> None:
         return
     device = entries[0].param.device
     for entry in entries:
-        if entry.state["step"].device != device:  # the first step: counters move, once
-            entry.state["step"] = entry.state["step"].to(device)
+        counter = entry.state["step"]
+        if counter.device != device:  # the first step: the counters move there, once
+            # a fill on the device, not a copy from the host (which would wait for it)
+            entry.state["step"] = torch.full((), float(counter), dtype=torch.float32,
+                                             device=device)
     torch._foreach_add_([e.state["step"] for e in entries], 1.0)
-    buckets: dict[torch.dtype, list[Entry]] = {}
+    buckets: dict[tuple, list[Entry]] = {}
     for entry in entries:
-        buckets.setdefault(entry.param.dtype, []).append(entry)
+        buckets.setdefault((entry.param.dtype, _aligned(entry)), []).append(entry)
     scale = _scale(group, device)
-    for dtype, bucket in buckets.items():
-        key = (dtype, tuple(e.item.position for e in bucket), "capturable")
+    for (dtype, aligned), bucket in buckets.items():
+        key = (dtype, aligned, tuple(e.item.position for e in bucket), "capturable")
         launch = _launch_of(group, key, bucket, capturable=True)
         coefficients = launches.device_coefficients(group, [e.state["step"] for e in bucket])
         flags = launches.kernel_flags(group, dtype, launches.capturable_decays(group), True,
