@@ -39,7 +39,7 @@ pytestmark = [
 COVERED = tuple(s for s in collage.STRATEGIES if get_strategy(s).native_code is not None)
 # odd sizes, a 0-d and an empty tensor, one spanning several blocks with a tail, and an
 # unaligned view (its own, unhinted launch)
-SHAPES = ((33,), (7, 5), (), (0,), (3000,), (70_001,))
+SHAPES = ((33,), (7, 5), (), (0,), (1024,), (5_001,))
 CUDA = torch.device("cuda")
 
 
