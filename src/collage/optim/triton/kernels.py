@@ -332,6 +332,7 @@ def multi_tensor_step(
     WEIGHT_DECAY: tl.constexpr,  # SGD: weight_decay != 0
     MOMENTUM: tl.constexpr,  # SGD: momentum != 0
     NESTEROV: tl.constexpr,
+    HAS_SCALE: tl.constexpr,  # the rule's update lands scaled (SGD, Lion: by -lr)
     EMULATE_FMA: tl.constexpr,
     MASKED: tl.constexpr,  # these programs step their tensor's last, partial blocks
     ALIGNED: tl.constexpr,  # every address is a multiple of 16 bytes
@@ -425,7 +426,6 @@ def multi_tensor_step(
         step_scale = -c2
 
     # the landing (``strategy.land``); SGD and Lion scale their update by -lr in it
-    HAS_SCALE: tl.constexpr = RULE != ADAMW
     if LANDING == L_KAHAN:
         if DECAY:
             start = -w * lr_wd

@@ -16,9 +16,10 @@ device from the step counters.
 from __future__ import annotations
 
 import importlib.util
+import os
 import struct
-from contextlib import nullcontext
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -37,8 +38,10 @@ try:  # optional: collage works without Triton (the dispatch asks ``path.availab
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
-__all__ = ["triton", "kernel_module", "Launch", "build", "kernel_flags", "step_arguments",
-           "device_coefficients", "launch", "block_size"]
+__all__ = ["triton", "GPU_BLOCK", "GPU_WARPS", "INTERPRETED_BLOCK", "interpreting",
+           "kernel_module", "block_size", "Launch", "build", "signature_of", "refresh_grads",
+           "kernel_flags", "step_arguments", "decays", "device_coefficients",
+           "capturable_decays", "launch"]
 
 #: elements per program: on a GPU 8 per thread of 4 warps (16-byte loads of bf16); in the
 #: interpreter small, so that small test tensors span several programs
@@ -48,20 +51,47 @@ INTERPRETED_BLOCK = 256
 _MODULES: dict[bool, ModuleType] = {}
 
 
+def interpreting() -> bool:
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET=1``), read now."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # Triton < 3.4
+
+
+@contextmanager
+def _mode(interpret: bool) -> Iterator[None]:
+    """Triton's interpreter on or off while a module is decorated, restored after."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        with knobs.runtime.scope():
+            knobs.runtime.interpret = interpret
+            yield
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
 def kernel_module(interpret: bool) -> ModuleType:
     """``kernels.py`` compiled (GPU) or interpreted (``interpret``: CPU tensors).
 
     ``@triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, so the module is executed
-    once per mode under that mode (``triton.knobs``), not imported: a process can step CPU
-    tensors through the interpreter and CUDA tensors with compiled kernels, whatever the
-    variable said when collage was imported."""
+    once per mode under that mode, not imported: a process can step CPU tensors through
+    the interpreter and CUDA tensors with compiled kernels, whatever the variable said
+    when collage was imported."""
     if interpret not in _MODULES:
         name = f"{__package__}.kernels_{'interpreted' if interpret else 'compiled'}"
         spec = importlib.util.spec_from_file_location(name,
                                                       Path(__file__).with_name("kernels.py"))
         module = importlib.util.module_from_spec(spec)
-        with triton.knobs.runtime.scope():
-            triton.knobs.runtime.interpret = interpret
+        with _mode(interpret):
             spec.loader.exec_module(module)
         _MODULES[interpret] = module
     return _MODULES[interpret]
@@ -222,6 +252,7 @@ def kernel_flags(group: GroupStep, dtype: torch.dtype, decays: bool, capturable:
         "WEIGHT_DECAY": sgd and hyper["weight_decay"] != 0,
         "MOMENTUM": sgd and hyper["momentum"] != 0,
         "NESTEROV": sgd and bool(hyper["nesterov"]),
+        "HAS_SCALE": rule.name != "adamw",  # rule.fast returns a scale (-lr)
         "EMULATE_FMA": emulate_fma,
     }
 
@@ -266,21 +297,21 @@ def capturable_decays(group: GroupStep) -> bool:
     return group.rule.name != "sgd" and float(group.hyper["weight_decay"]) != 0.0
 
 
-def launch(launch_: Launch, flags: dict, arguments: Sequence[float], step: int,
+def launch(plan: Launch, flags: dict, arguments: Sequence[float], step: int,
            coefficients: torch.Tensor | None, scale: torch.Tensor | None) -> None:
     """Run a bucket's launches: its whole blocks unmasked, then its tails masked (two
     kernel calls whatever the number of tensors)."""
-    device = launch_.table.device
+    device = plan.table.device
     interpret = device.type == "cpu"
     kernel = kernel_module(interpret).multi_tensor_step
-    spare = launch_.table  # any pointer, for an argument the flags leave unread
+    spare = plan.table  # any pointer, for an argument the flags leave unread
     options = {} if interpret else {"num_warps": GPU_WARPS, "enable_fp_fusion": False}
     with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
-        for blocks, masked in ((launch_.whole, False), (launch_.tails, True)):
+        for blocks, masked in ((plan.whole, False), (plan.tails, True)):
             if blocks.shape[0] == 0:
                 continue
             kernel[(blocks.shape[0],)](
-                launch_.table, launch_.grads, blocks,
+                plan.table, plan.grads, blocks,
                 spare if coefficients is None else coefficients,
                 spare if scale is None else scale, *arguments, step, **flags,
-                MASKED=masked, ALIGNED=launch_.aligned, BLOCK=block_size(device), **options)
+                MASKED=masked, ALIGNED=plan.aligned, BLOCK=block_size(device), **options)

@@ -39,7 +39,7 @@ def _device_reason(device: torch.device) -> str | None:
     if device.type == "cuda":
         return None
     if device.type == "cpu":
-        if launches.triton.knobs.runtime.interpret:
+        if launches.interpreting():
             return None
         return "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)"
     return f"the Triton kernels do not run on {device.type} tensors"
@@ -63,13 +63,22 @@ def unavailable(group: GroupStep, device: torch.device) -> str | None:
 def fits(group: GroupStep, entry: Entry, device: torch.device) -> bool:
     """Whether the kernels take ``entry``: one flat range of its parameter, every tensor
     contiguous on ``device``, of dtypes the kernels read (stochastic rounding: bf16)."""
-    dtype = entry.param.dtype
-    if entry.offset is None or not entry.contiguous_on(device):
+    if entry.offset is None or not _reads(group, entry.param.dtype):
         return False
-    strategy = group.strategy
-    if dtype not in strategy.weight_dtypes or (strategy.draws and dtype != torch.bfloat16):
-        return False
-    return all(c.dtype in layout.KINDS for c in strategy.components(group.rule, dtype))
+    return entry.contiguous_on(device)
+
+
+def _reads(group: GroupStep, dtype: torch.dtype) -> bool:
+    """Whether the kernels read the strategy's components for ``dtype`` weights (kept in
+    the group's cache: asked once per tensor per step)."""
+    known = group.cache.setdefault(_CACHE + "_dtypes", {})
+    if dtype not in known:
+        strategy = group.strategy
+        known[dtype] = (dtype in strategy.weight_dtypes
+                        and (not strategy.draws or dtype == torch.bfloat16)
+                        and all(c.dtype in layout.KINDS
+                                for c in strategy.components(group.rule, dtype)))
+    return known[dtype]
 
 
 def step_triton(group: GroupStep, entries: list[Entry]) -> None:
@@ -77,8 +86,9 @@ def step_triton(group: GroupStep, entries: list[Entry]) -> None:
     value, and aligned or not), the rest with the eager kernel, one by one (same
     arithmetic)."""
     device = entries[0].param.device
-    fit = [e for e in entries if fits(group, e, device)]
-    rest = [e for e in entries if not fits(group, e, device)]
+    fit, rest = [], []
+    for entry in entries:
+        (fit if fits(group, entry, device) else rest).append(entry)
     if group.hyper.get("capturable", False):
         if rest:
             raise ValueError(
