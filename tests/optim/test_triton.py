@@ -25,6 +25,7 @@ import collage
 from collage.optim import compiled, dispatch, get_strategy
 from collage.optim.triton import launch as launches
 from collage.optim.triton import path as triton_path
+from collage.optim.triton import plan as triton_plan
 
 from ._common import RULE_CASES, RuleCase, assert_bitwise_equal, weight_dtype
 
@@ -235,6 +236,62 @@ def test_an_unaligned_tensor_gets_its_own_unhinted_launch(monkeypatch, ieee_sqrt
     assert sorted(seen) == [False, True]
     for p, q in zip(got, want):
         assert torch.equal(p.view(torch.int16), q.view(torch.int16))
+
+
+def _plan_run(edit, flags: dict) -> tuple[dict, list]:
+    """Four AdamW steps; ``edit(opt, step)`` runs before each; returns the weights and
+    states, and the paths of the steps."""
+    params = _params(torch.bfloat16)
+    opt = collage.AdamW(params, strategy="stochastic", nonfinite="ignore", seed=9, **flags)
+    g = torch.Generator().manual_seed(12)
+    paths = []
+    for step in range(4):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+        edit(opt, step)
+        opt.step()
+        paths.append(opt.last_paths[0])
+    out = {f"p{i}": p.detach().clone() for i, p in enumerate(params)}
+    for i, p in enumerate(params):
+        out.update({f"s{i}/{k}": v.detach().clone() for k, v in opt.state[p].items()})
+    return out, paths
+
+
+def _set_counters(opt, step: int) -> None:
+    if step == 2:  # a counter written by hand: the plan must not step over it
+        for state in opt.state.values():
+            state["step"].fill_(100.0)
+
+
+@needs_triton
+def test_later_steps_follow_the_plan_and_leave_it_when_a_counter_is_written(
+        monkeypatch, ieee_sqrt):
+    built = []
+    original = triton_plan.TritonPlan.build.__func__
+
+    def spy(cls, *args):
+        plan = original(cls, *args)
+        built.append(plan is not None)
+        return plan
+
+    monkeypatch.setattr(triton_plan.TritonPlan, "build", classmethod(spy))
+    got, paths = _plan_run(_set_counters, {"fused": "triton"})
+    want, _ = _plan_run(_set_counters, {"foreach": True})
+    assert paths == ["triton"] * 4
+    assert built == [True, True]  # steps 1 and 3 took the general path; 2 and 4 the plan
+    assert_bitwise_equal(got, want)
+    assert float(got["s0/step"]) == 102.0
+
+
+@needs_triton
+def test_a_changed_flag_leaves_the_plan():
+    def to_foreach(opt, step):
+        if step == 2:
+            opt.param_groups[0]["fused"] = None
+            opt.param_groups[0]["foreach"] = True
+
+    _, paths = _plan_run(to_foreach, {"fused": "triton"})
+    assert paths == ["triton", "triton", "foreach", "foreach"]
 
 
 @needs_triton

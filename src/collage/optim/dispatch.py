@@ -82,12 +82,12 @@ def _native_covers(group: GroupStep) -> bool:
 @dataclass
 class Prepared:
     """A group's step, checked and ready to run: its path, and its entries or the native
-    plan's gradient pointers."""
+    or Triton plan's gradient pointers."""
 
     group: GroupStep
     path: str
     entries: list[Entry] = field(default_factory=list)
-    plan_grads: array | None = None
+    plan_grads: array | list[int] | None = None
 
 
 def prepare(group: GroupStep) -> Prepared | None:
@@ -99,6 +99,9 @@ def prepare(group: GroupStep) -> Prepared | None:
     grads = native_path.planned(group)
     if grads is not None:
         return Prepared(group, "native", plan_grads=grads)
+    grads = triton_path.planned(group)
+    if grads is not None:
+        return Prepared(group, "triton", plan_grads=grads)
     entries = entries_of(group)
     return Prepared(group, choose(group, entries[0].param.device), entries)
 
@@ -107,8 +110,8 @@ def run(prepared: Prepared) -> str:
     """Step a prepared group; returns the path that ran."""
     group = prepared.group
     if prepared.plan_grads is not None:
-        if native_path.step_planned(group, prepared.plan_grads):
-            return "native"
+        if _PLANNED[prepared.path](group, prepared.plan_grads):
+            return prepared.path
         prepared = prepare(group)  # a step counter was changed in place since
     _RUNNERS[prepared.path](group, prepared.entries)
     return prepared.path
@@ -146,6 +149,7 @@ def _step_rest(group: GroupStep, entries: list[Entry], done: list[Entry]) -> Non
             eager.step_one(group, entry, reference=False)
 
 
+_PLANNED = {"native": native_path.step_planned, "triton": triton_path.step_planned}
 _RUNNERS = {"reference": eager.step_reference, "per_tensor": eager.step_per_tensor,
             "foreach": eager.step_foreach, "native": _step_native, "compiled": _step_compiled,
             "triton": triton_path.step_triton}

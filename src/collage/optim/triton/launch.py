@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = ["triton", "GPU_BLOCK", "GPU_WARPS", "INTERPRETED_BLOCK", "interpreting",
            "kernel_module", "block_size", "Launch", "build", "signature_of", "refresh_grads",
-           "kernel_flags", "step_arguments", "decays", "device_coefficients",
+           "grad_scale", "kernel_flags", "step_arguments", "decays", "device_coefficients",
            "capturable_decays", "launch"]
 
 #: elements per program: on a GPU 8 per thread of 4 warps (16-byte loads of bf16); in the
@@ -207,9 +207,9 @@ def signature_of(entries: Sequence[Entry], capturable: bool) -> tuple:
     return tuple(out)
 
 
-def refresh_grads(launch: Launch, entries: Sequence[Entry]) -> None:
-    """Point the launch at the entries' gradients where they moved (a new ``.grad``)."""
-    addresses = [e.grad.data_ptr() for e in entries]
+def refresh_grads(launch: Launch, addresses: list[int]) -> None:
+    """Point the launch at the gradients at ``addresses`` where they moved (a new
+    ``.grad``)."""
     if addresses != launch.grad_addresses:
         fresh = torch.tensor(addresses, dtype=torch.int64)
         if launch.grads.device.type != "cpu":
@@ -223,6 +223,13 @@ def refresh_grads(launch: Launch, entries: Sequence[Entry]) -> None:
 # ---------------------------------------------------------------------------------------
 # the kernel's arguments
 # ---------------------------------------------------------------------------------------
+
+
+def grad_scale(group: GroupStep, device: torch.device) -> torch.Tensor | None:
+    """GradScaler's scale as the kernel reads it (float32, on the device), or None."""
+    if group.grad_scale is None:
+        return None
+    return group.grad_scale.to(device=device, dtype=torch.float32).reshape(1)
 
 
 def _float32(value: float) -> float:

@@ -21,10 +21,12 @@ from .. import eager
 from ..group import Entry, GroupStep, advance_steps
 from . import launch as launches
 from . import layout
+from .plan import Bucket, TritonPlan
 
-__all__ = ["available", "unavailable", "fits", "step_triton"]
+__all__ = ["available", "unavailable", "fits", "step_triton", "planned", "step_planned"]
 
 _CACHE = "triton"  # the group cache's key of this path's launches
+_PLAN = "triton_plan"  # ... and of its plan
 _MAX_LAUNCHES = 16  # launches kept per group (buckets of steps and dtypes)
 
 
@@ -98,7 +100,7 @@ def step_triton(group: GroupStep, entries: list[Entry]) -> None:
                 "synchronises with the device")
         _step_capturable(group, fit)
     else:
-        _step(group, fit)
+        _step(group, fit, whole_group=not rest)
     for entry in rest:
         eager.step_one(group, entry, reference=False)
 
@@ -115,7 +117,7 @@ def _launch_of(group: GroupStep, key: tuple, bucket: list[Entry],
             cache.clear()
         launch = cache[key] = launches.build(group, bucket, capturable, signature)
     else:
-        launches.refresh_grads(launch, bucket)
+        launches.refresh_grads(launch, [e.grad.data_ptr() for e in bucket])
     return launch
 
 
@@ -127,29 +129,28 @@ def _aligned(entry: Entry) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def _scale(group: GroupStep, device: torch.device) -> torch.Tensor | None:
-    if group.grad_scale is None:
-        return None
-    return group.grad_scale.to(device=device, dtype=torch.float32).reshape(1)
-
-
 def _emulate_fma(device: torch.device) -> bool:
     """The interpreter's ``tl.fma`` rounds twice: emulate it there (``kernels._fma``)."""
     return device.type == "cpu"
 
 
-def _step(group: GroupStep, entries: list[Entry]) -> None:
-    """Counters on the host: one launch per (weight dtype, step value), the coefficients
-    as arguments."""
+def _step(group: GroupStep, entries: list[Entry], whole_group: bool) -> None:
+    """Counters on the host: one launch per (weight dtype, alignment, step value), the
+    coefficients as arguments; then, where the whole group was stepped so, a plan for the
+    next steps (``plan.py``)."""
+    group.cache.pop(_PLAN, None)
     if not entries:
         return
     advance_steps(entries)
     device = entries[0].param.device
-    buckets: dict[tuple, list[Entry]] = {}
-    for entry in entries:
-        buckets.setdefault((entry.param.dtype, _aligned(entry), entry.step), []).append(entry)
-    scale = _scale(group, device)
-    for (dtype, aligned, step), bucket in buckets.items():
+    positions: dict[tuple, list[int]] = {}
+    for index, entry in enumerate(entries):
+        key = (entry.param.dtype, _aligned(entry), entry.step)
+        positions.setdefault(key, []).append(index)
+    scale = launches.grad_scale(group, device)
+    done: list[Bucket] = []
+    for (dtype, aligned, step), members in positions.items():
+        bucket = [entries[i] for i in members]
         coefficients = group.coefficients(step)
         key = (dtype, aligned, tuple(e.item.position for e in bucket))
         launch = _launch_of(group, key, bucket, capturable=False)
@@ -157,11 +158,33 @@ def _step(group: GroupStep, entries: list[Entry]) -> None:
                                       _emulate_fma(device))
         launches.launch(launch, flags, launches.step_arguments(group.rule, coefficients),
                         step, None, scale)
+        done.append((launch, members, dtype))
+    if whole_group:
+        plan = TritonPlan.build(group, entries, done)
+        if plan is not None:
+            group.cache[_PLAN] = plan
+
+
+def planned(group: GroupStep) -> list[int] | None:
+    """The gradients' addresses for the plan the group's last Triton step left, if it
+    still describes the group (``TritonPlan.ready``); else None, the plan dropped."""
+    plan = group.cache.get(_PLAN)
+    grads = None if plan is None else plan.ready(group)
+    if grads is None:
+        group.cache.pop(_PLAN, None)
+    return grads
+
+
+def step_planned(group: GroupStep, grads: list[int]) -> bool:
+    """Step with the plan and :func:`planned`'s addresses (always done: True)."""
+    group.cache[_PLAN].step(group, grads)
+    return True
 
 
 def _step_capturable(group: GroupStep, entries: list[Entry]) -> None:
     """Counters on the device: one launch per weight dtype, each row's coefficients
     computed there from its counter."""
+    group.cache.pop(_PLAN, None)
     if not entries:
         return
     device = entries[0].param.device
@@ -175,7 +198,7 @@ def _step_capturable(group: GroupStep, entries: list[Entry]) -> None:
     buckets: dict[tuple, list[Entry]] = {}
     for entry in entries:
         buckets.setdefault((entry.param.dtype, _aligned(entry)), []).append(entry)
-    scale = _scale(group, device)
+    scale = launches.grad_scale(group, device)
     for (dtype, aligned), bucket in buckets.items():
         key = (dtype, aligned, tuple(e.item.position for e in bucket), "capturable")
         launch = _launch_of(group, key, bucket, capturable=True)
