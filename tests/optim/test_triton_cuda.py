@@ -166,6 +166,28 @@ def test_step_never_waits_for_the_device(strategy, capturable):
     assert opt.last_paths == {0: "triton"}
 
 
+def test_a_resumed_optimizer_waits_for_the_device_once():
+    """load_state_dict puts the step counters on the device; the first step reads them
+    back to the host (one wait), the next ones never wait."""
+    params = _params(torch.bfloat16, CUDA)
+    opt = collage.AdamW(params, strategy="plus", nonfinite="ignore")
+    for p in params:
+        p.grad = torch.full_like(p, 0.01)
+    opt.step()
+    resumed = collage.AdamW(params, strategy="plus", nonfinite="ignore")
+    resumed.load_state_dict(opt.state_dict())
+    resumed.step()  # the counters come back to the host here
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            resumed.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert resumed.last_paths == {0: "triton"}
+
+
 @pytest.mark.parametrize("strategy", ["plus", "stochastic", "split"])
 def test_capturable_steps_replay_in_a_cuda_graph(strategy):
     dtype = weight_dtype(strategy)

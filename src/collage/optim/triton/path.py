@@ -141,6 +141,12 @@ def _step(group: GroupStep, entries: list[Entry], whole_group: bool) -> None:
     group.cache.pop(_PLAN, None)
     if not entries:
         return
+    for entry in entries:
+        counter = entry.state["step"]
+        if counter.device.type != "cpu":
+            # loaded onto the device (load_state_dict puts states there): back to the
+            # host, read once, so that no later step waits for the device to read it
+            entry.state["step"] = counter.cpu()
     advance_steps(entries)
     device = entries[0].param.device
     positions: dict[tuple, list[int]] = {}
