@@ -139,7 +139,7 @@ def test_speed_worker_interleaves_the_modes(monkeypatch):
             return 1.0
 
     monkeypatch.setattr(train, "_Trainer", Recorder)
-    monkeypatch.setattr(train, "_compile_kernels", lambda mode, cfg: None)
+    monkeypatch.setattr(train, "_compile_kernels", lambda mode, cfg, device: None)
     done = train.speed_worker({"modes": ["a", "b", "c"], "preset": "micro", "model": {},
                                "batch": 2, "steps": 3, "warmup": 1, "threads": None})
     assert order == ["a", "b", "c"] + ["a", "b", "c", "b", "c", "a", "c", "a", "b"]

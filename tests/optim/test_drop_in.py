@@ -249,9 +249,11 @@ def test_torch_keywords_and_positional_order():
                   capturable=False, differentiable=False, fused=None)
     collage.SGD(p, 0.1, 0.9, 0.0, 0.0, True, maximize=False, foreach=None,
                 differentiable=False, fused=None)
-    for kwargs in ({"amsgrad": True}, {"capturable": True}, {"differentiable": True}):
+    for kwargs in ({"amsgrad": True}, {"differentiable": True}):
         with pytest.raises(NotImplementedError, match=next(iter(kwargs))):
             collage.AdamW(p, **kwargs)
+    with pytest.raises(ValueError, match="capturable=True"):  # Triton only, no host reads
+        collage.AdamW(p, capturable=True, foreach=True)
     with pytest.raises(NotImplementedError, match="differentiable"):
         collage.SGD(p, differentiable=True)
 

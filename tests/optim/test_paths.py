@@ -128,9 +128,47 @@ def _group(**flags) -> GroupStep:
 def test_the_flags_select_a_path(flags, cpu, cuda, monkeypatch):
     monkeypatch.setattr(dispatch.native, "covers", lambda *args: True)
     monkeypatch.setattr(compiled, "available", lambda: True)
+    monkeypatch.setattr(dispatch.triton_path, "unavailable", lambda *args: "no Triton")
     assert dispatch.choose(_group(**flags), torch.device("cpu")) == cpu
     monkeypatch.setattr(dispatch.native, "covers", lambda *args: False)
     assert dispatch.choose(_group(**flags), torch.device("cuda")) == cuda
+
+
+@pytest.mark.parametrize(("flags", "cpu", "cuda"), [
+    ({"fused": "triton"}, "triton", "triton"),
+    ({"fused": True}, "native", "triton"),
+    ({}, "native", "triton"),
+    ({"fused": False}, "foreach", "foreach"),
+    ({"foreach": True}, "foreach", "foreach"),
+])
+def test_the_triton_kernels_where_they_run(flags, cpu, cuda, monkeypatch):
+    """``fused="triton"`` anywhere they run (CPU: the interpreter); on CUDA also
+    ``fused=True`` and the default."""
+    monkeypatch.setattr(dispatch.native, "covers", lambda *args: True)
+    monkeypatch.setattr(dispatch.triton_path, "unavailable", lambda *args: None)
+    assert dispatch.choose(_group(**flags), torch.device("cpu")) == cpu
+    assert dispatch.choose(_group(**flags), torch.device("cuda")) == cuda
+
+
+def test_fused_triton_where_it_cannot_run_warns_once_and_runs_fused(monkeypatch):
+    monkeypatch.setattr(dispatch.native, "covers", lambda *args: False)
+    monkeypatch.setattr(compiled, "available", lambda: True)
+    monkeypatch.setattr(dispatch.triton_path, "unavailable", lambda *args: "no Triton here")
+    warnings = []
+    group = _group(fused="triton")
+    group.warn = warnings.append
+    assert dispatch.choose(group, torch.device("cuda")) == "compiled"
+    assert len(warnings) == 1 and "no Triton here" in warnings[0]
+
+
+def test_capturable_runs_the_triton_kernels_or_says_why_not(monkeypatch):
+    group = _group()
+    group.hyper = {"capturable": True}
+    monkeypatch.setattr(dispatch.triton_path, "unavailable", lambda *args: None)
+    assert dispatch.choose(group, torch.device("cuda")) == "triton"
+    monkeypatch.setattr(dispatch.triton_path, "unavailable", lambda *args: "no Triton here")
+    with pytest.raises(RuntimeError, match="capturable=True.*no Triton here"):
+        dispatch.choose(group, torch.device("cuda"))
 
 
 def test_fused_without_a_compiler_warns_once_and_runs_foreach(monkeypatch):

@@ -27,7 +27,7 @@ PATHS = tuple(PATH_FLAGS)
 #: the paths benchmarked without ``--paths`` (per_tensor, the foreach arithmetic one tensor
 #: at a time, is opt-in)
 DEFAULT_PATHS = ("fused", "foreach", "reference")
-BASELINES = ("torch-foreach-bf16", "optimi-kahan", "torchao-sr")
+BASELINES = ("torch-foreach-bf16", "torch-fused-bf16", "optimi-kahan", "torchao-sr")
 BASELINE_KEY = "torch-fused-fp32"
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
@@ -100,7 +100,7 @@ def _torchao_sr(params):
 
 def available_baselines() -> dict[str, str | None]:
     """baseline -> None when usable, else why not."""
-    out: dict[str, str | None] = {"torch-foreach-bf16": None}
+    out: dict[str, str | None] = {"torch-foreach-bf16": None, "torch-fused-bf16": None}
     try:
         import optimi  # noqa: F401
 
@@ -118,6 +118,7 @@ def available_baselines() -> dict[str, str | None]:
 def _baseline_rows(baselines) -> list[Candidate]:
     usable = available_baselines()
     makers = {"torch-foreach-bf16": ("torch.optim.AdamW(foreach) bf16", torch_adamw(False)),
+              "torch-fused-bf16": ("torch.optim.AdamW(fused) bf16", torch_adamw(True)),
               "optimi-kahan": ("optimi AdamW kahan_sum bf16", _optimi_kahan),
               "torchao-sr": ("torchao AdamW bf16_stochastic_round", _torchao_sr)}
     rows = []

@@ -37,12 +37,14 @@ __all__ = [
 # ---------------------------------------------------------------------------------------
 
 # name: (d_model, layers, vocab, context). Parameter counts (printed by `bench optimizer`):
-# small 0.17M, 1m 1.1M, 16m 17M, 100m 111M (GPT-2 small's blocks with a 32k vocabulary).
+# small 0.17M, 1m 1.1M, 16m 17M, 100m 111M (GPT-2 small's blocks with a 32k vocabulary),
+# 1b 1.01B (GPU runs: 16 GB for the float32 baseline alone).
 SIZES: dict[str, tuple[int, int, int, int]] = {
     "small": (64, 2, 1024, 128),
     "1m": (128, 4, 2048, 256),
     "16m": (512, 4, 8192, 512),
     "100m": (768, 12, 32768, 1024),
+    "1b": (2048, 18, 50304, 2048),
 }
 DEFAULT_SIZES = ("small", "1m", "16m", "100m")
 
@@ -117,6 +119,7 @@ def strategy_bytes(strategy: Strategy) -> Bytes:
 BASELINE_BYTES: dict[str, Bytes] = {
     "torch-fused-fp32": Bytes(16, 12, "w, m, v fp32 (r+w); g fp32 (r)"),
     "torch-foreach-bf16": Bytes(8, 6, "w, m, v bf16 (r+w); g (r)"),
+    "torch-fused-bf16": Bytes(8, 6, "w, m, v bf16 (r+w); g (r)"),
     "optimi-kahan": Bytes(10, 8, "w, kahan comp, m, v bf16 (r+w); g (r)"),
     "torchao-sr": Bytes(8, 6, "w, m, v bf16 (r+w); g (r)"),
 }

@@ -40,12 +40,16 @@ SLOW_PATHS = ("foreach", "per_tensor", "reference")
 def make_params(shapes, dtype: torch.dtype, device: torch.device, seed: int
                 ) -> list[torch.nn.Parameter]:
     """Parameters of ``shapes`` with gradients: weights N(0, 0.02), gradients N(0, 1e-3),
-    drawn in float32 from ``seed`` and converted to ``dtype``."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    drawn in float32 from ``seed`` and converted to ``dtype``; on a GPU drawn there (by its
+    generator: a billion CPU draws per candidate would take longer than its timing)."""
+    where = device if device.type == "cuda" else torch.device("cpu")
+    generator = torch.Generator(device=where).manual_seed(seed)
     params = []
     for _, shape in shapes:
-        p = torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=generator)
-        g = torch.empty(shape, dtype=torch.float32).normal_(0.0, 1e-3, generator=generator)
+        p = torch.empty(shape, dtype=torch.float32, device=where).normal_(
+            0.0, 0.02, generator=generator)
+        g = torch.empty(shape, dtype=torch.float32, device=where).normal_(
+            0.0, 1e-3, generator=generator)
         param = torch.nn.Parameter(p.to(device=device, dtype=dtype))
         param.grad = g.to(device=device, dtype=dtype)
         params.append(param)

@@ -116,13 +116,16 @@ def _optimizer(mode: str, model: torch.nn.Module, lr: float):
 
 
 class _Trainer:
-    """One mode's model, optimizer and token stream; :meth:`step` trains one step (a new
-    learning rate each, as a schedule does) and returns its seconds."""
+    """One mode's model, optimizer and token stream on ``device``; :meth:`step` trains one
+    step (a new learning rate each, as a schedule does) and returns its seconds (on CUDA
+    synchronized around it)."""
 
-    def __init__(self, mode: str, model_cfg, batch: int, seed: int) -> None:
+    def __init__(self, mode: str, model_cfg, batch: int, seed: int,
+                 device: torch.device = torch.device("cpu")) -> None:
         self.mode, self.batch, self.context = mode, batch, model_cfg.context
         self.vocab = VOCAB_SIZE
-        self.model = build_model(model_cfg, VOCAB_SIZE, seed=seed)
+        self.device = device
+        self.model = build_model(model_cfg, VOCAB_SIZE, seed=seed).to(device)
         if mode not in TORCH_MODES:  # the strategy's weight dtype (bf16; mixed: its copy)
             self.model = self.model.to(get_strategy(mode).weight_dtypes[0])
         self.lr = 1e-3
@@ -132,10 +135,12 @@ class _Trainer:
 
     def step(self) -> float:
         tokens = torch.randint(0, self.vocab, (self.batch, self.context + 1),
-                               generator=self.generator)
+                               generator=self.generator).to(self.device)
         x, y = tokens[:, :-1], tokens[:, 1:]
+        _synchronize(self.device)
         started = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.mode == "autocast"):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                            enabled=self.mode == "autocast"):
             logits = self.model(x)
         loss = cross_entropy(logits, y)
         del logits  # held by the loss for backward; nothing else needs it
@@ -145,14 +150,21 @@ class _Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.index += 1
+        _synchronize(self.device)
         return time.perf_counter() - started
 
 
-def _compile_kernels(mode: str, model_cfg) -> None:
-    """Two steps on a tiny model: the optimizer's kernels are compiled (dynamic shapes) and
-    the native library loaded before anything is timed or counted."""
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _compile_kernels(mode: str, model_cfg, device: torch.device) -> None:
+    """Two steps on a tiny model: the optimizer's kernels are compiled (dynamic shapes; on
+    CUDA the Triton kernels) and the native library loaded before anything is timed or
+    counted."""
     tiny = dataclasses.replace(model_cfg, d_model=32, n_layers=1, n_heads=2)
-    trainer = _Trainer(mode, tiny, 2, seed=1)
+    trainer = _Trainer(mode, tiny, 2, seed=1, device=device)
     trainer.step()
     trainer.step()
 
@@ -164,16 +176,17 @@ def worker(spec: dict) -> dict:
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     mode = spec["mode"]
+    device = torch.device(spec.get("device", "cpu"))
     model_cfg, _ = _model_config(spec["preset"], spec["model"])
-    _compile_kernels(mode, model_cfg)
+    _compile_kernels(mode, model_cfg, device)
     gc.collect()
     sampler = _PeakRSS()
     before = sampler.read()
     with sampler:
-        trainer = _Trainer(mode, model_cfg, spec["batch"], seed=0)
+        trainer = _Trainer(mode, model_cfg, spec["batch"], seed=0, device=device)
         for _ in range(max(1, spec["warmup"])):
             trainer.step()
-        probe = TensorMemoryProbe(torch.device("cpu"),
+        probe = TensorMemoryProbe(device,
                                   persistent_bytes(trainer.model, trainer.optimizer)["total"])
         with probe:
             trainer.step()
@@ -196,10 +209,12 @@ def speed_worker(spec: dict) -> dict:
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     modes = spec["modes"]
+    device = torch.device(spec.get("device", "cpu"))
     model_cfg, _ = _model_config(spec["preset"], spec["model"])
     for mode in modes:
-        _compile_kernels(mode, model_cfg)
-    trainers = {mode: _Trainer(mode, model_cfg, spec["batch"], seed=0) for mode in modes}
+        _compile_kernels(mode, model_cfg, device)
+    trainers = {mode: _Trainer(mode, model_cfg, spec["batch"], seed=0, device=device)
+                for mode in modes}
     for _ in range(spec["warmup"]):
         for trainer in trainers.values():
             trainer.step()
@@ -229,7 +244,7 @@ def _log(quiet: bool, text: str) -> None:
 
 
 def run(*, modes=MODES, preset="paper-small", model=None, batch=None, steps=20, warmup=3,
-        threads=None, quiet=True, rounds=3) -> dict:
+        threads=None, quiet=True, rounds=3, device="cpu") -> dict:
     """Memory: every mode once, in its own fresh process (peak memory is per process and
     the allocator's count does not vary). Speed: ``rounds`` fresh processes, each running
     every mode's steps interleaved (:func:`speed_worker`); a mode's tokens/s is the median
@@ -239,7 +254,7 @@ def run(*, modes=MODES, preset="paper-small", model=None, batch=None, steps=20, 
     model_cfg, preset_batch = _model_config(preset, model)
     batch = batch or preset_batch
     spec_base = {"preset": preset, "model": model, "batch": batch, "steps": steps,
-                 "warmup": warmup, "threads": threads}
+                 "warmup": warmup, "threads": threads, "device": str(device)}
     rows = []
     for mode in modes:
         started = time.perf_counter()
@@ -286,7 +301,7 @@ def run(*, modes=MODES, preset="paper-small", model=None, batch=None, steps=20, 
         "environment": common.environment(),
         "settings": {"preset": preset, "model": dataclasses.asdict(model_cfg),
                      "batch": batch, "steps": steps, "warmup": warmup, "threads": threads,
-                     "rounds": rounds},
+                     "rounds": rounds, "device": str(device)},
         "rows": rows,
         "checks": checks,
     }
@@ -355,6 +370,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated: {', '.join(MODES)} (default: all)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--device", default="cpu",
+                   help="cpu or cuda (default cpu); on CUDA peak memory is "
+                        "torch.cuda.max_memory_allocated's")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--markdown", metavar="PATH", help="also write a markdown table there")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -371,6 +389,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.preset not in PRESETS:
         raise UsageError(f"--preset: unknown preset {args.preset!r}; valid: "
                          + ", ".join(PRESETS))
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
     model = {k: getattr(args, k) for k in MODEL_FLAGS}
     try:
         _model_config(args.preset, model)
@@ -378,7 +398,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from None
     result = run(modes=modes, preset=args.preset, model=model, batch=args.batch_size,
                  steps=args.steps, warmup=args.warmup, threads=args.threads,
-                 quiet=args.quiet or args.json, rounds=args.rounds)
+                 quiet=args.quiet or args.json, rounds=args.rounds, device=args.device)
     text = table(result)
     if args.markdown:
         with open(args.markdown, "w") as handle:

@@ -102,9 +102,11 @@ class CollageOptimizer(Optimizer):
         strategy.check_rule(self.rule)
         self.rule.validate(group)
         strategy.check_group(self.rule, group)
-        for flag in ("foreach", "fused"):
-            if group[flag] not in (None, True, False):
-                raise TypeError(f"{flag} must be None, True or False, got {group[flag]!r}")
+        if group["foreach"] not in (None, True, False):
+            raise TypeError(f"foreach must be None, True or False, got {group['foreach']!r}")
+        if group["fused"] not in (None, True, False, "triton"):
+            raise TypeError(f"fused must be None, True, False or 'triton', got "
+                            f"{group['fused']!r}")
         if not isinstance(group["reference"], bool):
             raise TypeError(f"reference must be True or False, got {group['reference']!r}")
         if group["foreach"] and group["fused"]:
@@ -112,11 +114,26 @@ class CollageOptimizer(Optimizer):
         if group["reference"] and group["fused"]:
             raise ValueError("reference=True and fused=True are exclusive; set at most one")
         _refuse_unsupported(group)
+        if group.get("capturable", False):
+            self._validate_capturable(group)
         for name, param in zip(self._param_names(group, index), group["params"]):
             if param.is_complex():
                 raise TypeError(f"parameter {name!r} is complex; collage optimizers support "
                                 "real floating-point parameters only (use torch.view_as_real)")
             check_weight(strategy, param, name)
+
+    def _validate_capturable(self, group: dict) -> None:
+        """capturable=True: the Triton kernels, and nothing that reads the device on the
+        host during a step (``docs/gpu.md``)."""
+        if group["reference"] or group["foreach"] is not None or group["fused"] is False:
+            raise ValueError("capturable=True runs the Triton kernels: leave foreach and "
+                             "reference unset and fused None, True or 'triton'")
+        if self.track_updates:
+            raise ValueError("capturable=True cannot measure lost updates (track_updates): "
+                             "the sums are read on the host")
+        if self.nonfinite != "ignore":
+            raise ValueError("capturable=True needs nonfinite='ignore': the non-finite check "
+                             "reads a flag on the host, which waits for the device")
 
     @staticmethod
     def _param_names(group: dict, index: int) -> list[str]:
@@ -238,8 +255,7 @@ class CollageOptimizer(Optimizer):
 
     def _warn_fallback(self, reason: str) -> None:
         if not self._warned:
-            warnings.warn(f"collage: fused path unavailable: {reason}; using the foreach "
-                          "path (same float32 arithmetic, not compiled)", RuntimeWarning,
+            warnings.warn(f"collage: fused path unavailable: {reason}", RuntimeWarning,
                           stacklevel=5)
             self._warned = True
 
@@ -361,8 +377,6 @@ class CollageOptimizer(Optimizer):
 _UNSUPPORTED = {
     "amsgrad": "AMSGrad's running maximum of the second moment is not implemented; use "
                "amsgrad=False",
-    "capturable": "step counters and coefficients live on the host (CUDA graph capture is "
-                  "not supported); use capturable=False",
     "differentiable": "steps run under torch.no_grad(), as torch.optim's do by default; use "
                       "differentiable=False",
 }

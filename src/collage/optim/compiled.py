@@ -149,7 +149,8 @@ class _Runner:
                 if not is_compile_error(error):
                     raise
                 mark_unavailable()
-                self.group.warn(f"torch.compile failed ({type(error).__name__})")
+                self.group.warn(f"torch.compile failed ({type(error).__name__}); using the "
+                                "foreach path (same float32 arithmetic, not compiled)")
         self.compiled = None
         return self.eager(*args)  # compilation fails before the kernel runs: nothing written
 

@@ -14,12 +14,17 @@ path           selected by                                what runs
                nothing faster covers the group
 ``native``     CPU, ``fused=True`` or default, where the  hand-written C (``native/``)
                native kernels cover the group
+``triton``     ``fused="triton"``; ``fused=True`` and the  hand-written Triton kernels,
+               default on CUDA, where the Triton kernels  multi-tensor (``triton/``); on
+               cover the group; ``capturable=True``       CPU through the interpreter
 ``compiled``   ``fused=True`` elsewhere; the default on   torch.compile (inductor: C++ on
-               CUDA                                       CPU, Triton on GPU)
+               CUDA where ``triton`` does not cover       CPU, Triton on GPU)
 =============  =========================================  ===============================
 
-A compiled path that cannot compile (no C++ compiler, no Triton, an inductor failure)
-runs ``foreach`` with one warning. Tensors a fast path cannot take (not contiguous, on
+``fused="triton"`` where the Triton kernels cannot run (no Triton, CPU tensors without
+``TRITON_INTERPRET=1``, a group they do not cover) runs what ``fused=True`` runs, with one
+warning. A compiled path that cannot compile (no C++ compiler, no Triton, an inductor
+failure) runs ``foreach`` with one warning. Tensors a fast path cannot take (not contiguous, on
 another device than the group's first, a shard that is not one flat range) run the eager
 kernel one by one, with the same arithmetic.
 """
@@ -34,25 +39,38 @@ import torch
 from . import compiled, eager, native
 from .group import Entry, GroupStep, entries_of, local
 from .native import path as native_path
+from .triton import path as triton_path
 
 __all__ = ["PATHS", "Prepared", "choose", "prepare", "run", "step_group"]
 
-PATHS = ("reference", "per_tensor", "foreach", "native", "compiled")
+PATHS = ("reference", "per_tensor", "foreach", "native", "compiled", "triton")
 
 
 def choose(group: GroupStep, device: torch.device) -> str:
     """The path of ``group`` whose tensors are on ``device`` (see the module table)."""
+    if group.hyper.get("capturable", False):
+        reason = triton_path.unavailable(group, device)
+        if reason is not None:
+            raise RuntimeError(f"capturable=True runs the Triton kernels only: {reason}")
+        return "triton"
     if group.reference:
         return "reference"
     if group.foreach is not None and not group.fused:
         return "foreach" if group.foreach else "per_tensor"
+    if group.fused == "triton" or (group.fused is not False and device.type == "cuda"):
+        reason = triton_path.unavailable(group, device)
+        if reason is None:
+            return "triton"
+        if group.fused == "triton":
+            group.warn(f"fused='triton': {reason}; running what fused=True runs")
     if group.fused is not False and device.type == "cpu" and _native_covers(group):
         return "native"
     if group.fused or (group.fused is None and device.type == "cuda"):
         if compiled.available():
             return "compiled"
         if group.fused:
-            group.warn("torch.compile has no C++ compiler or Triton here")
+            group.warn("torch.compile has no C++ compiler or Triton here; using the foreach "
+                       "path (same float32 arithmetic, not compiled)")
     return "per_tensor" if group.foreach is False else "foreach"
 
 
@@ -64,12 +82,12 @@ def _native_covers(group: GroupStep) -> bool:
 @dataclass
 class Prepared:
     """A group's step, checked and ready to run: its path, and its entries or the native
-    plan's gradient pointers."""
+    or Triton plan's gradient pointers."""
 
     group: GroupStep
     path: str
     entries: list[Entry] = field(default_factory=list)
-    plan_grads: array | None = None
+    plan_grads: array | list[int] | None = None
 
 
 def prepare(group: GroupStep) -> Prepared | None:
@@ -81,6 +99,9 @@ def prepare(group: GroupStep) -> Prepared | None:
     grads = native_path.planned(group)
     if grads is not None:
         return Prepared(group, "native", plan_grads=grads)
+    grads = triton_path.planned(group)
+    if grads is not None:
+        return Prepared(group, "triton", plan_grads=grads)
     entries = entries_of(group)
     return Prepared(group, choose(group, entries[0].param.device), entries)
 
@@ -89,8 +110,8 @@ def run(prepared: Prepared) -> str:
     """Step a prepared group; returns the path that ran."""
     group = prepared.group
     if prepared.plan_grads is not None:
-        if native_path.step_planned(group, prepared.plan_grads):
-            return "native"
+        if _PLANNED[prepared.path](group, prepared.plan_grads):
+            return prepared.path
         prepared = prepare(group)  # a step counter was changed in place since
     _RUNNERS[prepared.path](group, prepared.entries)
     return prepared.path
@@ -128,5 +149,7 @@ def _step_rest(group: GroupStep, entries: list[Entry], done: list[Entry]) -> Non
             eager.step_one(group, entry, reference=False)
 
 
+_PLANNED = {"native": native_path.step_planned, "triton": triton_path.step_planned}
 _RUNNERS = {"reference": eager.step_reference, "per_tensor": eager.step_per_tensor,
-            "foreach": eager.step_foreach, "native": _step_native, "compiled": _step_compiled}
+            "foreach": eager.step_foreach, "native": _step_native, "compiled": _step_compiled,
+            "triton": triton_path.step_triton}

@@ -20,10 +20,17 @@ _SHARED_DOC = """
         rest torch.compile, falling back to foreach with one warning); ``foreach=True`` runs
         it eagerly with the group's small tensors batched; ``foreach=False`` runs the same
         arithmetic one tensor at a time (bit for bit ``foreach=True``'s). None chooses:
-        native on CPU where it covers the group, compiled on CUDA, foreach elsewhere.
+        native on CPU where it covers the group, the Triton kernels on CUDA (compiled
+        where they do not cover the group), foreach elsewhere. ``fused="triton"`` asks for
+        the Triton kernels (``docs/gpu.md``) anywhere: on CUDA, or on CPU tensors through
+        Triton's interpreter (``TRITON_INTERPRET=1``, for tests).
         ``reference=True`` runs the research algorithm op by op in the weight dtype
         (slow; for studies of the arithmetic). ``COLLAGE_NATIVE=0`` turns the native
         kernels off.
+    capturable: step without host synchronisation, CUDA-graph capturable (torch.optim's
+        meaning): step counters on the device, coefficients computed there, the learning
+        rate read from a device tensor when it is one. The Triton kernels only; needs
+        ``nonfinite="ignore"`` and no ``track_updates``.
     track_updates: measure lost updates (EDQ, imprecision) every step (True) or every k-th
         step (int k); results in ``optimizer.update_stats``. Off (zero cost) by default.
     nonfinite: what a step does when a gradient holds inf/nan: ``"skip"`` (default: nothing
@@ -38,8 +45,9 @@ class AdamW(CollageOptimizer):
         """AdamW (decoupled weight decay, Loshchilov & Hutter) under a precision strategy.
 
     Same arguments, positional order and semantics as ``torch.optim.AdamW`` (``params`` may
-    be ``model.named_parameters()`` or param groups); ``amsgrad=True``, ``capturable=True``
-    and ``differentiable=True`` are not implemented and raise ``NotImplementedError``. Plus:
+    be ``model.named_parameters()`` or param groups); ``amsgrad=True`` and
+    ``differentiable=True`` are not implemented and raise ``NotImplementedError``;
+    ``capturable=True`` runs the Triton kernels (``docs/gpu.md``). Plus:
 
     weight_decay_style: how the reference path (``reference=True``, the research code's
         algorithm) applies weight decay: ``"compact"`` (default: ``- lr * wd * w`` folded
@@ -65,7 +73,7 @@ class AdamW(CollageOptimizer):
         foreach: bool | None = None,
         capturable: bool = False,
         differentiable: bool = False,
-        fused: bool | None = None,
+        fused: bool | str | None = None,
         weight_decay_style: str = "compact",
         strategy: str = "plus",
         reference: bool = False,
@@ -106,7 +114,8 @@ class SGD(CollageOptimizer):
         maximize: bool = False,
         foreach: bool | None = None,
         differentiable: bool = False,
-        fused: bool | None = None,
+        fused: bool | str | None = None,
+        capturable: bool = False,
         strategy: str = "plus",
         reference: bool = False,
         track_updates: bool | int = False,
@@ -115,7 +124,7 @@ class SGD(CollageOptimizer):
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
-                        differentiable=differentiable)
+                        differentiable=differentiable, capturable=capturable)
         super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
                          reference=reference, track_updates=track_updates,
                          nonfinite=nonfinite, seed=seed)
@@ -142,14 +151,15 @@ class Lion(CollageOptimizer):
         strategy: str = "plus",
         maximize: bool = False,
         foreach: bool | None = None,
-        fused: bool | None = None,
+        fused: bool | str | None = None,
+        capturable: bool = False,
         reference: bool = False,
         track_updates: bool | int = False,
         nonfinite: str = "skip",
         seed: int = 0,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
-                        weight_decay=weight_decay, maximize=maximize)
+                        weight_decay=weight_decay, maximize=maximize, capturable=capturable)
         super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
                          reference=reference, track_updates=track_updates,
                          nonfinite=nonfinite, seed=seed)

@@ -15,7 +15,9 @@ over one parameter:
 
 Coefficients that depend only on the step (bias corrections) are computed on the host in
 float64 by ``coefficients`` (``reference_coefficients`` for the reference path) and passed in
-a dict.
+a dict. ``step_coefficients`` is the same formula over float64 tensors of step counters and
+a tensor learning rate, computed on their device (the capturable Triton steps: no host
+synchronisation).
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ def number(value, name: str) -> float:
     return value
 
 
+def _sqrt(x):
+    """The correctly rounded square root of a Python float or a tensor."""
+    return torch.sqrt(x) if isinstance(x, torch.Tensor) else math.sqrt(x)
+
+
 def check_betas(betas) -> None:
     """A ValueError unless ``betas`` is a pair of numbers in [0, 1)."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -96,6 +103,13 @@ class Rule:
             raise ValueError(f"weight_decay must be >= 0, got {hyper['weight_decay']}")
 
     def coefficients(self, group: Mapping, step: int) -> dict[str, float]:
+        """The per-step coefficients of the fast kernels, Python floats (float64)."""
+        return self.step_coefficients(group, float(group["lr"]), step)
+
+    def step_coefficients(self, group: Mapping, lr, step) -> dict:
+        """:meth:`coefficients` from ``lr`` and ``step``: Python numbers, or float64 tensors
+        (``step`` one counter per parameter; the values are then tensors of its shape,
+        or numbers where they do not depend on it)."""
         raise NotImplementedError
 
     def fast(self, weight: torch.Tensor, grad: torch.Tensor, states: dict, c: Coeffs):
@@ -142,9 +156,8 @@ class AdamWRule(Rule):
                              "code's and runs on the reference path only: pass "
                              "reference=True, or use 'compact' or 'torch'")
 
-    def coefficients(self, group: Mapping, step: int) -> dict[str, float]:
+    def step_coefficients(self, group: Mapping, lr, step) -> dict:
         beta1, beta2 = group["betas"]
-        lr = float(group["lr"])
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
         return {
@@ -155,11 +168,11 @@ class AdamWRule(Rule):
             "one_minus_beta1": 1 - beta1,
             "one_minus_beta2": 1 - beta2,
             "step_size": lr / bias_correction1,
-            "bias_correction2_sqrt": math.sqrt(bias_correction2),
+            "bias_correction2_sqrt": _sqrt(bias_correction2),
             "eps": group["eps"],
             # the next step's (error feedback): the same learning rate assumed
             "step_size_next": lr / (1 - beta1**(step + 1)),
-            "bias_correction2_sqrt_next": math.sqrt(1 - beta2**(step + 1)),
+            "bias_correction2_sqrt_next": _sqrt(1 - beta2**(step + 1)),
         }
 
     def fast(self, weight, grad, states, c):
@@ -258,15 +271,15 @@ class SGDRule(Rule):
         if hyper["nesterov"] and (momentum <= 0 or hyper["dampening"] != 0):
             raise ValueError("nesterov=True needs momentum > 0 and dampening == 0")
 
-    def coefficients(self, group: Mapping, step: int) -> dict[str, float]:
+    def step_coefficients(self, group: Mapping, lr, step) -> dict:
         return {
-            "lr": float(group["lr"]),
+            "lr": lr,
             "lr_wd": 0.0,
             "decay": 1.0,
             "weight_decay": group["weight_decay"],
             "momentum": group["momentum"],
             "one_minus_dampening": 1 - group["dampening"],
-            "first_step": float(step == 1),
+            "first_step": step == 1 if isinstance(step, torch.Tensor) else float(step == 1),
             "has_weight_decay": group["weight_decay"] != 0,
             "has_momentum": group["momentum"] != 0,
             "nesterov": bool(group["nesterov"]),
@@ -330,9 +343,8 @@ class LionRule(Rule):
         super().validate(hyper)
         check_betas(hyper["betas"])
 
-    def coefficients(self, group: Mapping, step: int) -> dict[str, float]:
+    def step_coefficients(self, group: Mapping, lr, step) -> dict:
         beta1, beta2 = group["betas"]
-        lr = float(group["lr"])
         return {
             "lr": lr,
             "lr_wd": lr * group["weight_decay"],

@@ -1,0 +1,324 @@
+"""Launching the Triton kernels: the kernel module per mode, the launch table of a bucket of
+tensors (kept between steps), the coefficients, one launch.
+
+A :class:`Launch` is what torch's ``multi_tensor_apply`` builds per call, made once and
+kept: a device table with one row per tensor (``layout``: its components' addresses, its
+size, its draws' counter), the gradients' addresses (refreshed when they move), and the
+programs' ``(row, block)`` pairs, so that one launch steps every tensor of a bucket, the
+model's hundreds of biases and norms with its matrices.
+
+Nothing here synchronises with the device: tables are built on the host and copied from
+pinned memory without blocking (the caching host allocator keeps a pinned buffer until its
+copy has run), coefficients travel as kernel arguments, or, capturable, are computed on the
+device from the step counters.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from .. import draws as keyed
+from ..group import Entry, GroupStep
+from ..rules import Rule
+from ..strategies import Strategy
+from ..strategies.strategy import is_one
+from . import layout
+
+try:  # optional: collage works without Triton (the dispatch asks ``path.available``)
+    import triton
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+
+__all__ = ["triton", "GPU_BLOCK", "GPU_WARPS", "INTERPRETED_BLOCK", "interpreting",
+           "kernel_module", "block_size", "Launch", "build", "signature_of", "refresh_grads",
+           "grad_scale", "kernel_flags", "step_arguments", "decays", "device_coefficients",
+           "capturable_decays", "launch"]
+
+#: elements per program: on a GPU 8 per thread of 4 warps (16-byte loads of bf16); in the
+#: interpreter small, so that small test tensors span several programs
+GPU_BLOCK, GPU_WARPS = 1024, 4
+INTERPRETED_BLOCK = 256
+
+_MODULES: dict[bool, ModuleType] = {}
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET=1``), read now."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # Triton < 3.4
+
+
+@contextmanager
+def _mode(interpret: bool) -> Iterator[None]:
+    """Triton's interpreter on or off while a module is decorated, restored after."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        with knobs.runtime.scope():
+            knobs.runtime.interpret = interpret
+            yield
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def kernel_module(interpret: bool) -> ModuleType:
+    """``kernels.py`` compiled (GPU) or interpreted (``interpret``: CPU tensors).
+
+    ``@triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, so the module is executed
+    once per mode under that mode, not imported: a process can step CPU tensors through
+    the interpreter and CUDA tensors with compiled kernels, whatever the variable said
+    when collage was imported."""
+    if interpret not in _MODULES:
+        name = f"{__package__}.kernels_{'interpreted' if interpret else 'compiled'}"
+        spec = importlib.util.spec_from_file_location(name,
+                                                      Path(__file__).with_name("kernels.py"))
+        module = importlib.util.module_from_spec(spec)
+        with _mode(interpret):
+            spec.loader.exec_module(module)
+        _MODULES[interpret] = module
+    return _MODULES[interpret]
+
+
+def block_size(device: torch.device) -> int:
+    return INTERPRETED_BLOCK if device.type == "cpu" else GPU_BLOCK
+
+
+# ---------------------------------------------------------------------------------------
+# the launch table
+# ---------------------------------------------------------------------------------------
+
+
+def _signed64(value: int) -> int:
+    """A uint64 as the int64 with the same bits (a table cell)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _row(group: GroupStep, entry: Entry, weight_keys: Sequence[str],
+         state_keys: Sequence[str], capturable: bool) -> list[int]:
+    """One tensor's table row (``layout``)."""
+    pointers = [entry.param.data_ptr()]
+    pointers += [entry.tensors[key].data_ptr() for key in weight_keys[1:]] or [0]
+    states = [entry.tensors[key].data_ptr() for key in state_keys]
+    states += [0] * (layout.MAX_STATES - len(states))
+    mix = keyed.mix_state(keyed.MIX_START, group.seed, entry.item.position)
+    step = entry.state["step"].data_ptr() if capturable else 0
+    return [0, *pointers, *states, entry.numel, entry.offset, _signed64(mix), step]
+
+
+@dataclass
+class Launch:
+    """One bucket's kernel launches, kept between steps: the table and the gradients'
+    addresses on the device, and the programs: ``whole`` blocks (unmasked) and each
+    tensor's last, partial block (``tails``, masked), each ``(row, block index)``.
+    ``aligned``: every address is a multiple of 16 bytes; ``signature``: every address
+    and size the table was built from (a change rebuilds it)."""
+
+    signature: tuple
+    table: torch.Tensor
+    grads: torch.Tensor
+    grad_addresses: list[int]
+    whole: torch.Tensor
+    tails: torch.Tensor
+    aligned: bool
+
+    @property
+    def programs(self) -> int:
+        return self.whole.shape[0] + self.tails.shape[0]
+
+
+def _pinned(values: torch.Tensor) -> torch.Tensor:
+    """``values`` in pinned host memory, from which a copy to a GPU does not block."""
+    pinned = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    return pinned.copy_(values)
+
+
+def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without blocking the host."""
+    if device.type == "cpu":
+        return values
+    return _pinned(values).to(device, non_blocking=True)
+
+
+def _blocks(numels: Sequence[int], block: int, whole: bool) -> torch.Tensor:
+    """``(row, block index)`` of the programs that step each row's whole ``block``-element
+    blocks (``whole``), or its last, partial block (an empty tensor has neither)."""
+    if whole:
+        counts = torch.tensor([n // block for n in numels], dtype=torch.int64)
+    else:
+        counts = torch.tensor([int(n % block != 0) for n in numels], dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    firsts = torch.cumsum(counts, 0) - counts
+    index = torch.arange(rows.numel()) - firsts[rows]
+    if not whole:
+        index = torch.tensor([n // block for n in numels], dtype=torch.int64)[rows]
+    return torch.stack([rows, index], dim=1).to(torch.int32)
+
+
+def _aligned(addresses: Sequence[int]) -> bool:
+    """Whether every address is a multiple of 16 bytes (a 16-byte vector's)."""
+    return all(address % 16 == 0 for address in addresses)
+
+
+def build(group: GroupStep, entries: Sequence[Entry], capturable: bool,
+          signature: tuple) -> Launch:
+    """The launch of ``entries`` (one weight dtype; contiguous, on one device)."""
+    device = entries[0].param.device
+    dtype = entries[0].param.dtype
+    weight_keys = [c.key for c in group.strategy.weight_components(dtype)]
+    state_keys = [c.key for c in group.strategy.state_components(group.rule, dtype)]
+    rows = [_row(group, e, weight_keys, state_keys, capturable) for e in entries]
+    grad_addresses = [e.grad.data_ptr() for e in entries]
+    addresses = [a for row in rows for a in row[layout.C_PARAM:layout.C_NUMEL]]
+    numels = [e.numel for e in entries]
+    block = block_size(device)
+    return Launch(signature, _to_device(torch.tensor(rows, dtype=torch.int64), device),
+                  _to_device(torch.tensor(grad_addresses, dtype=torch.int64), device),
+                  grad_addresses, _to_device(_blocks(numels, block, True), device),
+                  _to_device(_blocks(numels, block, False), device),
+                  _aligned(addresses + grad_addresses))
+
+
+def signature_of(entries: Sequence[Entry], capturable: bool) -> tuple:
+    """Every address and size a launch table holds, but the gradients'."""
+    out = []
+    for e in entries:
+        out += [e.param.data_ptr(), e.numel, e.offset, e.item.position]
+        out += [t.data_ptr() for t in e.tensors.values()]
+        if capturable:
+            out.append(e.state["step"].data_ptr())
+    return tuple(out)
+
+
+def refresh_grads(launch: Launch, addresses: list[int]) -> None:
+    """Point the launch at the gradients at ``addresses`` where they moved (a new
+    ``.grad``)."""
+    if addresses != launch.grad_addresses:
+        fresh = torch.tensor(addresses, dtype=torch.int64)
+        if launch.grads.device.type != "cpu":
+            fresh = _pinned(fresh)
+        # stream-ordered: the last launch has read the old addresses before this copy
+        launch.grads.copy_(fresh, non_blocking=True)
+        launch.grad_addresses = addresses
+        launch.aligned = launch.aligned and _aligned(addresses)
+
+
+# ---------------------------------------------------------------------------------------
+# the kernel's arguments
+# ---------------------------------------------------------------------------------------
+
+
+def grad_scale(group: GroupStep, device: torch.device) -> torch.Tensor | None:
+    """GradScaler's scale as the kernel reads it (float32, on the device), or None."""
+    if group.grad_scale is None:
+        return None
+    return group.grad_scale.to(device=device, dtype=torch.float32).reshape(1)
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to float32 (as torch rounds a Python scalar for a float32 tensor),
+    so that the compiled and the interpreted kernel read the same number."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def kernel_flags(group: GroupStep, dtype: torch.dtype, decays: bool, capturable: bool,
+                 emulate_fma: bool) -> dict:
+    """The compile-time arguments of ``kernels.multi_tensor_step`` for a bucket."""
+    rule, strategy, hyper = group.rule, group.strategy, group.hyper
+    components = strategy.weight_components(dtype)
+    states = strategy.state_components(rule, dtype)
+    sgd = rule.name == "sgd"
+    return {
+        "RULE": layout.RULE_CODES[rule.name],
+        "LANDING": strategy.native_code,
+        "W_KIND": layout.KINDS[dtype],
+        "X_KIND": layout.KINDS[components[1].dtype] if len(components) > 1 else 0,
+        "S_KIND": layout.KINDS[states[0].dtype],
+        "SLOW_PAIR": strategy.mcf_slow_states,
+        "DECAY": decays,
+        "SCALED": group.grad_scale is not None,
+        "MAXIMIZE": group.maximize,
+        "CAPTURABLE": capturable,
+        "WEIGHT_DECAY": sgd and hyper["weight_decay"] != 0,
+        "MOMENTUM": sgd and hyper["momentum"] != 0,
+        "NESTEROV": sgd and bool(hyper["nesterov"]),
+        "HAS_SCALE": rule.name != "adamw",  # rule.fast returns a scale (-lr)
+        "EMULATE_FMA": emulate_fma,
+    }
+
+
+def step_arguments(rule: Rule, coefficients: dict) -> list[float]:
+    """The rule's coefficients at one step, float32, in ``layout.COEFFICIENTS`` order
+    (padded to ``NCOEF``)."""
+    values = [_float32(float(coefficients[key])) for key in layout.COEFFICIENTS[rule.name]]
+    return values + [0.0] * (layout.NCOEF - len(values))
+
+
+def decays(coefficients: dict) -> bool:
+    """Whether the update multiplies the weight by ``decay`` (``strategy.is_one``)."""
+    return not is_one(coefficients["decay"])
+
+
+def device_coefficients(group: GroupStep, steps: Sequence[torch.Tensor]) -> torch.Tensor:
+    """float32 ``[rows, NCOEF]``: each row's coefficients at its step counter, computed on
+    the counters' device in float64 (``Rule.step_coefficients``), then rounded once."""
+    device = steps[0].device
+    step = torch.stack(list(steps)).to(torch.float64)
+    lr = group.hyper["lr"]
+    if isinstance(lr, torch.Tensor):
+        lr = lr.to(torch.float64) if lr.device == device else float(lr)
+    values = group.rule.step_coefficients(group.hyper, lr, step)
+    columns = []
+    for key in layout.COEFFICIENTS[group.rule.name]:
+        value = values[key]
+        if isinstance(value, torch.Tensor):
+            columns.append(value.to(torch.float64).expand(step.shape))
+        else:  # a number: a fill, no copy from the host
+            columns.append(torch.full(step.shape, float(value), dtype=torch.float64,
+                                      device=device))
+    while len(columns) < layout.NCOEF:
+        columns.append(torch.zeros_like(step))
+    return torch.stack(columns, dim=1).to(torch.float32)
+
+
+def capturable_decays(group: GroupStep) -> bool:
+    """Whether a capturable step decays: from the hyperparameters (the learning rate may
+    be a device tensor, never read on the host)."""
+    return group.rule.name != "sgd" and float(group.hyper["weight_decay"]) != 0.0
+
+
+def launch(plan: Launch, flags: dict, arguments: Sequence[float], step: int,
+           coefficients: torch.Tensor | None, scale: torch.Tensor | None) -> None:
+    """Run a bucket's launches: its whole blocks unmasked, then its tails masked (two
+    kernel calls whatever the number of tensors)."""
+    device = plan.table.device
+    interpret = device.type == "cpu"
+    kernel = kernel_module(interpret).multi_tensor_step
+    spare = plan.table  # any pointer, for an argument the flags leave unread
+    options = {} if interpret else {"num_warps": GPU_WARPS, "enable_fp_fusion": False}
+    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+        for blocks, masked in ((plan.whole, False), (plan.tails, True)):
+            if blocks.shape[0] == 0:
+                continue
+            kernel[(blocks.shape[0],)](
+                plan.table, plan.grads, blocks,
+                spare if coefficients is None else coefficients,
+                spare if scale is None else scale, *arguments, step, **flags,
+                MASKED=masked, ALIGNED=plan.aligned, BLOCK=block_size(device), **options)

@@ -1,0 +1,139 @@
+"""A group's Triton step, reused from step to step: its launches checked, not rebuilt (as
+``native/plan.py`` does for the C kernels).
+
+Why: on a GPU the kernels of a 100M-parameter step take about half a millisecond, and the
+general path spends about as much per ten tensors in Python (per tensor the state checks,
+the entry, the bucket, the table's signature, and the step counters' ``stack().tolist()``).
+A :class:`TritonPlan` keeps the last step's launches; the next step checks, per tensor,
+only what can change between steps:
+
+* the parameters with gradients are the same objects in the same order, each with the same
+  state dict (``load_state_dict`` and a strategy conversion make new ones), the group's
+  rule, strategy, flags, seed and parameter positions are the plan's;
+* the weight and every state tensor still have the table's addresses, the weight and the
+  gradient are contiguous, the gradient is on the plan's device (and on 16 bytes where the
+  launch was told so);
+* no step counter was written since the plan advanced it (its version counter, which every
+  in-place write bumps: a counter set by hand sends the step to the general path).
+
+The gradients' addresses are then read, the counters advanced by one ``_foreach_add_`` and
+the launches run with the coefficients of the plan's next step: the general path's launches,
+so the results are bit for bit the same (``tests/optim/test_triton.py``). Plans are made for
+unmeasured, non-capturable steps of plain tensors whose counters are float32 on the host,
+all at one step value below 2**24.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..group import Entry, GroupStep
+from . import launch as launches
+
+__all__ = ["Bucket", "TritonPlan"]
+
+# float32 step counters count exactly up to 2**24 (then + 1 rounds back to itself)
+_MAX_STEP = 2**24
+
+#: (launch, the bucket's positions in the group's entries, weight dtype)
+Bucket = tuple[launches.Launch, list[int], torch.dtype]
+
+
+def _flags(group: GroupStep) -> tuple:
+    """What the dispatch chose the path from, and what keys the draws: a change of any
+    sends the step to the general path."""
+    return (group.rule, group.strategy, group.foreach, group.fused, group.reference,
+            bool(group.hyper.get("capturable", False)), group.seed,
+            tuple(item.position for item in group.items))
+
+
+class TritonPlan:
+    """The Triton launches of one parameter group, for the steps that follow (see the
+    module docstring). Build with :meth:`build` after a general step; :meth:`ready` checks,
+    :meth:`step` runs."""
+
+    __slots__ = ("flags", "params", "states", "keys", "pointers", "counters", "versions",
+                 "device", "buckets", "aligned", "step_value")
+
+    @classmethod
+    def build(cls, group: GroupStep, entries: list[Entry], buckets: list[Bucket]
+              ) -> TritonPlan | None:
+        """A plan from the entries just stepped (every parameter of the group with a
+        gradient) by ``buckets``, or None where the fast path does not apply."""
+        if not entries or len(entries) != len(group.items) or group.stats is not None:
+            return None
+        first = entries[0]
+        if not all(_plannable(entry, first) for entry in entries):
+            return None
+        plan = cls()
+        plan.flags = _flags(group)
+        plan.params = [entry.item.param for entry in entries]
+        plan.states = [entry.state for entry in entries]
+        plan.keys = tuple(first.tensors)
+        plan.pointers = [(entry.param.data_ptr(),
+                          *[entry.tensors[key].data_ptr() for key in plan.keys])
+                         for entry in entries]
+        plan.counters = [entry.state["step"] for entry in entries]
+        plan.versions = [counter._version for counter in plan.counters]
+        plan.device = first.param.device
+        plan.buckets = buckets
+        plan.aligned = [False] * len(entries)
+        for launch, members, _ in buckets:
+            for member in members:
+                plan.aligned[member] = launch.aligned
+        plan.step_value = first.step
+        return plan
+
+    def ready(self, group: GroupStep) -> list[int] | None:
+        """The gradients' addresses if the plan still describes the group (the checks of the
+        module docstring), else None. Changes nothing."""
+        items = group.items
+        if len(items) != len(self.params) or self.step_value + 1 >= _MAX_STEP:
+            return None
+        if _flags(group) != self.flags:
+            return None
+        if any(c._version != v for c, v in zip(self.counters, self.versions)):
+            return None  # a counter was written since: the general path reads them all
+        keys, device = self.keys, self.device
+        grads = []
+        for item, param, state, pointers, aligned in zip(items, self.params, self.states,
+                                                         self.pointers, self.aligned):
+            grad = item.grad
+            if (item.param is not param or item.state is not state
+                    or not grad.is_contiguous() or not param.is_contiguous()
+                    or grad.device != device):
+                return None
+            try:
+                now = (param.data_ptr(), *[state[key].data_ptr() for key in keys])
+            except KeyError:
+                return None
+            address = grad.data_ptr()
+            if now != pointers or (aligned and address % 16):
+                return None
+            grads.append(address)
+        return grads
+
+    def step(self, group: GroupStep, grads: list[int]) -> None:
+        """Step the group with the gradients' addresses :meth:`ready` returned."""
+        torch._foreach_add_(self.counters, 1.0)
+        self.versions = [counter._version for counter in self.counters]
+        step = self.step_value + 1
+        coefficients = group.coefficients(step)
+        arguments = launches.step_arguments(group.rule, coefficients)
+        scale = launches.grad_scale(group, self.device)
+        for launch, members, dtype in self.buckets:
+            launches.refresh_grads(launch, [grads[i] for i in members])
+            flags = launches.kernel_flags(group, dtype, launches.decays(coefficients), False,
+                                          self.device.type == "cpu")
+            launches.launch(launch, flags, arguments, step, None, scale)
+        self.step_value = step
+
+
+def _plannable(entry: Entry, first: Entry) -> bool:
+    """Whether ``entry`` can be stepped by a plan whose first entry is ``first``."""
+    counter = entry.state.get("step")
+    return (entry.item.param is entry.param and entry.offset == 0
+            and entry.step == first.step and entry.step < _MAX_STEP
+            and tuple(entry.tensors) == tuple(first.tensors) and counter is not None
+            and counter.dtype == torch.float32 and counter.device.type == "cpu"
+            and counter.numel() == 1)
