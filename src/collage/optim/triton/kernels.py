@@ -196,13 +196,25 @@ def _store(address, offs, x, mask, KIND: tl.constexpr):
 
 
 @triton.jit
+def _normalize(hi, lo, HI_KIND: tl.constexpr, LO_KIND: tl.constexpr):
+    """``strategy.normalize_pair`` on stored values (float32 holding them): ``hi`` the
+    nearest (ties to even) of ``hi + lo``, ``lo`` the exact rest; +0 where ``hi`` is not
+    finite. ``hi + lo`` and the rest are exact in float32."""
+    total = hi + lo
+    nearest = _round(total, HI_KIND)
+    return nearest, _round(tl.where(_finite(nearest), total - nearest, 0.0), LO_KIND)
+
+
+@triton.jit
 def _store_pair(hi_address, lo_address, offs, x, mask, KIND: tl.constexpr):
     """Store float32 ``x`` as an MCF pair: ``hi`` its nearest value, ``lo`` the residual
     ``x - hi`` (exact in float32: Sterbenz), rounded, +0 where ``hi`` is not finite
-    (``strategy.residual``)."""
+    (``strategy.residual``); then normalised (the canonical form)."""
     hi = _round(x, KIND)
+    lo = _round(tl.where(_finite(hi), x - hi, 0.0), KIND)
+    hi, lo = _normalize(hi, lo, KIND, KIND)
     _store(hi_address, offs, hi, mask, KIND)
-    _store(lo_address, offs, tl.where(_finite(hi), x - hi, 0.0), mask, KIND)
+    _store(lo_address, offs, lo, mask, KIND)
 
 
 @triton.jit
@@ -434,9 +446,10 @@ def multi_tensor_step(
         corrected = _axpy(start, update, step_scale, HAS_SCALE, EMULATE_FMA) \
             + _load(extra, offs, mask, X_KIND)
         hi = _round(w + corrected, W_KIND)
-        _store(param, offs, hi, mask, W_KIND)
         # what the rounded add failed to land: float32 subtraction of nearby values, exact
-        lost = tl.where(_finite(hi), corrected - (hi - w), 0.0)
+        lost = _round(tl.where(_finite(hi), corrected - (hi - w), 0.0), X_KIND)
+        hi, lost = _normalize(hi, lost, W_KIND, X_KIND)
+        _store(param, offs, hi, mask, W_KIND)
         _store(extra, offs, lost, mask, X_KIND)
     else:
         if DECAY:
