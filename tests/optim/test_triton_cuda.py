@@ -107,9 +107,20 @@ def test_gpu_kernels_are_the_interpreted_kernels_bit_for_bit(rule, strategy, mon
 def test_gpu_kernels_against_torch_eager_on_cuda(rule, strategy):
     got = _run(rule, strategy, CUDA, {})
     eager = _eager(rule, strategy)
-    if rule.name == "adamw":  # eager CUDA: x / scalar = x * (1 / scalar)
-        worst = max(_ulps(got[k], eager[k]) for k in got if got[k].is_floating_point())
-        assert worst <= 2, f"{worst} ulps apart"
+    if rule.name == "adamw":
+        # eager CUDA divides by a Python number as a product with its float32 reciprocal:
+        # the update may differ by an ulp of itself at each step. 16-bit components absorb
+        # that (two of their ulps at most); float32 weights carry it, so they are compared
+        # in units of the update's size (lr = 1e-2 halved each step: below 1e-2 * 2**-22)
+        for key in got:
+            if not got[key].is_floating_point():
+                continue
+            if got[key].element_size() == 2:
+                assert _ulps(got[key], eager[key]) <= 2, key
+            else:
+                gap = (got[key].double() - eager[key].double()).abs().max()
+                scale = got[key].double().abs().max() * 2.0**-20 + 1e-2 * 2.0**-20
+                assert gap <= scale, (key, float(gap))
     else:
         _assert_same_bits(got, eager)
 
