@@ -29,13 +29,14 @@ def _load(path: Path) -> dict | None:
 
 
 def _fused_rows(optimizer: dict | None, sizes=None) -> list[dict]:
-    """The collage fused rows (not the ``nonfinite='skip'`` one) of ``sizes`` (all: None)."""
+    """The collage fused rows in the default configuration (``nonfinite="skip"``; not the
+    ``+ignore`` rows without the check) of ``sizes`` (all: None)."""
     if optimizer is None:
         return []
     return [row for block in optimizer.get("sizes", [])
             if sizes is None or block["size"] in sizes
             for row in block["rows"]
-            if row.get("path") == "fused" and not row["key"].endswith("+check")]
+            if row.get("path") == "fused" and "+" not in row["key"]]
 
 
 def _goal(name: str, value: float | None, target: float, at_least: bool,

@@ -26,7 +26,7 @@ def test_bench_optimizer_small_json(capsys):
     keys = [r["key"] for r in block["rows"]]
     assert keys[0] == "torch-fused-fp32"
     for key in ("collage:plus:fused", "collage:plus:foreach",
-                "collage:plus:fused+check", "torch-foreach-bf16"):
+                "collage:plus:fused+ignore", "torch-foreach-bf16"):
         assert key in keys
     for row in block["rows"]:
         assert row["time_s"]["median"] > 0 and row["time_s"]["p90"] >= row["time_s"]["min"]
@@ -35,6 +35,12 @@ def test_bench_optimizer_small_json(capsys):
                                                       if ":" in row["key"] else
                                                       row["key"]].total
     rows = {r["key"]: r for r in block["rows"]}
+    # the headline rows are the default configuration; the no-check row says it is not
+    assert rows["collage:plus:fused"]["nonfinite"] == "skip"
+    assert rows["collage:plus:foreach"]["nonfinite"] == "skip"
+    assert rows["collage:plus:fused+ignore"]["nonfinite"] == "ignore"
+    assert "nonfinite='ignore'" in rows["collage:plus:fused+ignore"]["label"]
+    assert "collage:plus:foreach+ignore" not in rows  # other paths: the default only
     # every collage row says the path that ran (optimizer.last_paths): the one asked for
     assert rows["collage:plus:foreach"]["backend"] == "foreach"
     fused = rows["collage:plus:fused"]

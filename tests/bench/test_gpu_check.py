@@ -88,7 +88,10 @@ def test_goals_read_off_results(tmp_path):
     module = _goals_module()
     optimizer = {"environment": {"gpu": "Some GPU"}, "sizes": [
         {"size": "16m", "rows": [_row("light", 1.1, 0.5, 7.0)]},  # below 100M: not counted
-        {"size": "100m", "rows": [_row("light", 1.6, 0.9, 0.1), _row("plus", 1.2, 0.8, 0.1)]},
+        {"size": "100m", "rows": [_row("light", 1.6, 0.9, 0.1), _row("plus", 1.2, 0.8, 0.1),
+                                  # without the check: not the default, not a goal's figure
+                                  {**_row("plus", 9.0, 0.99, 0.1),
+                                   "key": "collage:plus:fused+ignore"}]},
         {"size": "1b", "rows": [_row("light", 1.7, 0.92, 0.1), _row("plus", 1.3, 0.88, 0.1)]},
     ]}
     (tmp_path / "bench_optimizer.json").write_text(json.dumps(optimizer))

@@ -2,8 +2,11 @@
 optimizers it is compared with (torch.optim, optimi's Kahan summation, torchao's bf16
 stochastic rounding), each as a :class:`Candidate` that builds a ``step()`` on parameters.
 
-Collage rows run with ``nonfinite="ignore"`` (torch.optim, optimi and torchao do not check
-gradients either); one extra row, ``plus+check``, shows the default ``nonfinite="skip"``.
+Collage rows run the default configuration, ``nonfinite="skip"`` (one more read of the
+gradients, for the check). The fused path also gets a row per strategy for each other policy
+asked for (by default ``ignore``, key ``collage:plus:fused+ignore``): no check, which is what
+a step after ``optimizer.clip_grad_norm_`` costs (a finite norm spares the check) and what
+torch.optim, optimi and torchao do.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch
 from ..optim import AdamW, get_strategy
 
 __all__ = ["Candidate", "candidates", "available_baselines", "torchao_adamw", "torch_adamw",
-           "STRATEGIES", "PATHS", "DEFAULT_PATHS", "BASELINES", "BASELINE_KEY"]
+           "STRATEGIES", "PATHS", "DEFAULT_PATHS", "BASELINES", "BASELINE_KEY", "DEFAULT_NONFINITE",
+           "NONFINITE"]
 
 #: the strategies benchmarked by default (the main report's eight; any strategy is accepted)
 STRATEGIES = ("fp32", "mixed", "bf16", "kahan", "stochastic", "light", "plus", "split")
@@ -29,6 +33,10 @@ PATHS = tuple(PATH_FLAGS)
 DEFAULT_PATHS = ("fused", "foreach", "reference")
 BASELINES = ("torch-foreach-bf16", "torch-fused-bf16", "optimi-kahan", "torchao-sr")
 BASELINE_KEY = "torch-fused-fp32"
+#: the optimizers' default non-finite policy (the headline rows) and the policies a fused row
+#: may be timed with besides (``--nonfinite``)
+DEFAULT_NONFINITE = "skip"
+NONFINITE = ("skip", "ignore")
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
 
@@ -41,9 +49,10 @@ class Candidate:
     make: Callable[[list[torch.nn.Parameter]], Callable[[], object]]  # params -> step()
     path: str | None = None
     strategy: str | None = None
+    nonfinite: str | None = None  # collage rows: the optimizer's policy
 
 
-def _collage(strategy: str, path: str, nonfinite: str = "ignore"):
+def _collage(strategy: str, path: str, nonfinite: str = DEFAULT_NONFINITE):
     def make(params):
         opt = AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                     strategy=strategy, nonfinite=nonfinite, **PATH_FLAGS[path])
@@ -129,22 +138,25 @@ def _baseline_rows(baselines) -> list[Candidate]:
     return rows
 
 
+def _collage_row(name: str, path: str, nonfinite: str) -> Candidate:
+    key, label = f"collage:{name}:{path}", f"collage {name} ({path}"
+    if path == "reference":
+        label += " = research algorithm"
+    if nonfinite != DEFAULT_NONFINITE:
+        key += f"+{nonfinite}"
+        label += f", nonfinite={nonfinite!r}"
+    return Candidate(key, label + ")", name, get_strategy(name).weight_dtypes[0],
+                     _collage(name, path, nonfinite), path, name, nonfinite)
+
+
 def candidates(strategies=STRATEGIES, paths=DEFAULT_PATHS, baselines=BASELINES,
-               check_row: bool = True) -> list[Candidate]:
-    """The baselines that are installed, then every strategy on every path, then
-    ``plus+check``."""
+               nonfinite=NONFINITE) -> list[Candidate]:
+    """The baselines that are installed, then every strategy on every path in the default
+    configuration, then the fused rows of the other ``nonfinite`` policies."""
     rows = _baseline_rows(baselines)
     for path in paths:
-        for name in strategies:
-            strategy = get_strategy(name)
-            label = f"collage {name} ({path})"
-            if path == "reference":
-                label += " = research algorithm"
-            rows.append(Candidate(f"collage:{name}:{path}", label, name,
-                                  strategy.weight_dtypes[0], _collage(name, path), path, name))
-    if check_row and "fused" in paths and "plus" in strategies:
-        rows.append(Candidate("collage:plus:fused+check", "collage plus (fused, nonfinite="
-                              "'skip', the default)", "plus",
-                              get_strategy("plus").weight_dtypes[0],
-                              _collage("plus", "fused", "skip"), "fused", "plus"))
+        rows += [_collage_row(name, path, DEFAULT_NONFINITE) for name in strategies]
+    if "fused" in paths:
+        rows += [_collage_row(name, "fused", policy) for policy in nonfinite
+                 if policy != DEFAULT_NONFINITE for name in strategies]
     return rows

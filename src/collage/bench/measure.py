@@ -229,7 +229,8 @@ def _measure_candidate(cand: Candidate, size: str, shapes, n: int, base: _Baseli
     t = common.summary(times["c"])
     row = {
         "size": size, "n_params": n, "key": cand.key, "label": cand.label,
-        "path": cand.path, "strategy": cand.strategy, "backend": path_ran,
+        "path": cand.path, "strategy": cand.strategy, "nonfinite": cand.nonfinite,
+        "backend": path_ran,
         "start_step": (start_step if counted else None) if start_step else 0,
         "first_step_s": first, "repeats": rounds,
         "cpu_time_median_s": statistics.median(times["c_cpu"]),

@@ -23,9 +23,11 @@ from . import common
 from .candidates import (
     BASELINES,
     BETAS,
+    DEFAULT_NONFINITE,
     DEFAULT_PATHS,
     EPS,
     LR,
+    NONFINITE,
     PATHS,
     STRATEGIES,
     WEIGHT_DECAY,
@@ -149,6 +151,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--baselines", default=",".join(BASELINES), metavar="NAMES",
                    help="other optimizers beside torch fused AdamW: "
                         f"{', '.join(BASELINES)} (default: all installed)")
+    p.add_argument("--nonfinite", default=",".join(NONFINITE), metavar="POLICIES",
+                   help=f"non-finite policies to time: every row runs the default "
+                        f"({DEFAULT_NONFINITE}: one more read of the gradients); the fused "
+                        f"path also runs each other one listed: ignore is no check, the cost "
+                        f"of a step after optimizer.clip_grad_norm_ (default: "
+                        f"{','.join(NONFINITE)})")
     p.add_argument("--foreach-max", type=float, default=2e6, metavar="N",
                    help="run the foreach and per_tensor paths only up to N parameters "
                         "(default 2e6)")
@@ -184,6 +192,8 @@ def _command(args: argparse.Namespace) -> list[str]:
         words.append(f"--paths {args.paths}")
     if args.baselines != ",".join(BASELINES):
         words.append(f"--baselines {args.baselines}")
+    if args.nonfinite != ",".join(NONFINITE):
+        words.append(f"--nonfinite {args.nonfinite}")
     words += [f"--foreach-max {args.foreach_max:g}", f"--reference-max {args.reference_max:g}",
               f"--slow-repeats {args.slow_repeats}"]
     if args.start_step:
@@ -200,6 +210,7 @@ def cmd_optimizer(args: argparse.Namespace) -> int:
     strategies = _csv(args.strategies, ALL_STRATEGIES, "--strategies")
     paths = _csv(args.paths, PATHS, "--paths")
     baselines = _csv(args.baselines, BASELINES, "--baselines") if args.baselines else ()
+    nonfinite = _csv(args.nonfinite, NONFINITE, "--nonfinite") if args.nonfinite else ()
     if args.repeats < 1 or args.slow_repeats < 1:
         raise UsageError("--repeats and --slow-repeats must be at least 1")
     if args.warmup < 1:
@@ -214,7 +225,7 @@ def cmd_optimizer(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     result = run(sizes=sizes, strategies=strategies, paths=paths, baselines=baselines,
-                 repeats=args.repeats, warmup=args.warmup, device=device,
+                 nonfinite=nonfinite, repeats=args.repeats, warmup=args.warmup, device=device,
                  foreach_max=int(args.foreach_max), reference_max=int(args.reference_max),
                  slow_repeats=args.slow_repeats, compile_probe=args.compile_cost,
                  min_time=args.min_time, start_step=args.start_step,
@@ -230,11 +241,11 @@ def cmd_optimizer(args: argparse.Namespace) -> int:
 
 
 def run(*, sizes=DEFAULT_SIZES, strategies=STRATEGIES, paths=DEFAULT_PATHS,
-        baselines=BASELINES, repeats=5, warmup=2, device=torch.device("cpu"),
+        baselines=BASELINES, nonfinite=NONFINITE, repeats=5, warmup=2, device=torch.device("cpu"),
         foreach_max=2_000_000, reference_max=200_000, slow_repeats=2, compile_probe=False,
         quiet=True, argv=(), min_time=0.5, start_step=0) -> dict:
     """Run the benchmark; returns the JSON-able result."""
-    rows = candidates(strategies, paths, baselines)
+    rows = candidates(strategies, paths, baselines, nonfinite)
     settings = Settings(repeats=repeats, warmup=warmup, device=device,
                         foreach_max=foreach_max, reference_max=reference_max,
                         slow_repeats=slow_repeats, quiet=quiet, min_time=min_time,
@@ -245,7 +256,7 @@ def run(*, sizes=DEFAULT_SIZES, strategies=STRATEGIES, paths=DEFAULT_PATHS,
                      "slow_repeats": slow_repeats, "foreach_max": foreach_max,
                      "reference_max": reference_max, "device": str(device),
                      "min_time": min_time, "start_step": start_step,
-                     "argv": list(argv), "lr": LR, "betas": BETAS, "eps": EPS,
+                     "nonfinite": list(nonfinite), "argv": list(argv), "lr": LR, "betas": BETAS, "eps": EPS,
                      "weight_decay": WEIGHT_DECAY},
         "bytes_per_param": {k: {"read": b.read, "write": b.write, "total": b.total,
                                 "components": b.components} for k, b in BYTES.items()},

@@ -188,16 +188,21 @@ class CollageOptimizer(Optimizer):
         """(group index, group, items) for the parameters that have gradients."""
         positions = self._parameter_positions()
         batches = []
+        state = self.state
         for index, group in enumerate(self.param_groups):
             named = "param_names" in group
+            group_keys = ("", f"group{index}")
             items = []
             for name, param in zip(self._param_names(group, index), group["params"]):
                 grad = param.grad
                 if grad is None:
                     continue
-                check_gradient(name, param, grad)
-                keys = ("", f"group{index}", name) if named else ("", f"group{index}")
-                items.append(Item(name, param, grad, self.state[param], positions[id(param)],
+                # the usual case tested inline (this runs per parameter and step); the
+                # function names what is wrong
+                if grad.dtype != param.dtype or grad.shape != param.shape or grad.is_sparse:
+                    check_gradient(name, param, grad)
+                keys = (*group_keys, name) if named else group_keys
+                items.append(Item(name, param, grad, state[param], positions[id(param)],
                                   keys))
             batches.append((index, group, items))
         return batches

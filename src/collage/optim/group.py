@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -29,12 +30,12 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-@dataclass
-class Item:
+class Item(NamedTuple):
     """One parameter of a group's step. ``param`` and ``grad`` may be DTensors; ``state``
     is the parameter's state dict (created by the strategy when empty); ``position``: its
     index over all the optimizer's parameters (a key of its stochastic draws);
-    ``stat_keys``: the metric keys its measured sums are added to."""
+    ``stat_keys``: the metric keys its measured sums are added to. A named tuple: one is
+    made per parameter and step, and a tuple is the cheapest record to make."""
 
     name: str
     param: torch.Tensor
