@@ -19,8 +19,8 @@ import torch
 from ..optim import AdamW, get_strategy
 
 __all__ = ["Candidate", "candidates", "available_baselines", "torchao_adamw", "torch_adamw",
-           "STRATEGIES", "PATHS", "DEFAULT_PATHS", "BASELINES", "BASELINE_KEY", "DEFAULT_NONFINITE",
-           "NONFINITE"]
+           "STRATEGIES", "PATHS", "DEFAULT_PATHS", "BASELINES", "BASELINE_KEY",
+           "DEFAULT_NONFINITE", "NONFINITE"]
 
 #: the strategies benchmarked by default (the main report's eight; any strategy is accepted)
 STRATEGIES = ("fp32", "mixed", "bf16", "kahan", "stochastic", "light", "plus", "split")

@@ -241,7 +241,8 @@ def cmd_optimizer(args: argparse.Namespace) -> int:
 
 
 def run(*, sizes=DEFAULT_SIZES, strategies=STRATEGIES, paths=DEFAULT_PATHS,
-        baselines=BASELINES, nonfinite=NONFINITE, repeats=5, warmup=2, device=torch.device("cpu"),
+        baselines=BASELINES, nonfinite=NONFINITE, repeats=5, warmup=2,
+        device=torch.device("cpu"),
         foreach_max=2_000_000, reference_max=200_000, slow_repeats=2, compile_probe=False,
         quiet=True, argv=(), min_time=0.5, start_step=0) -> dict:
     """Run the benchmark; returns the JSON-able result."""
@@ -256,8 +257,8 @@ def run(*, sizes=DEFAULT_SIZES, strategies=STRATEGIES, paths=DEFAULT_PATHS,
                      "slow_repeats": slow_repeats, "foreach_max": foreach_max,
                      "reference_max": reference_max, "device": str(device),
                      "min_time": min_time, "start_step": start_step,
-                     "nonfinite": list(nonfinite), "argv": list(argv), "lr": LR, "betas": BETAS, "eps": EPS,
-                     "weight_decay": WEIGHT_DECAY},
+                     "nonfinite": list(nonfinite), "argv": list(argv), "lr": LR,
+                     "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY},
         "bytes_per_param": {k: {"read": b.read, "write": b.write, "total": b.total,
                                 "components": b.components} for k, b in BYTES.items()},
         "unavailable": {k: v for k, v in available_baselines().items()
