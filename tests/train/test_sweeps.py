@@ -210,6 +210,20 @@ def test_report_only_trains_nothing(tmp_path, capsys):
     assert all(math.isfinite(r["final_val_loss"]) for r in again)
 
 
+def test_a_partial_report_counts_the_finished_runs(tmp_path):
+    """--report-only over runs of which only some finished says how many, not all."""
+    out = str(tmp_path / "run")
+    trained = micro_config(run={"strategies": ("fp32",), "seeds": 2, "steps": 3,
+                                "isolate": False, "resume": True})
+    compare_module.compare(trained, out, log=None)
+    said: list[str] = []
+    report = micro_config(run={"strategies": ("fp32", "bf16"), "seeds": 2, "steps": 3,
+                               "isolate": False, "report_only": True})
+    compare_module.compare(report, out, log=said.append)
+    assert f"2 of 4 runs already finished in {out}" in said
+    assert [r["strategy"] for r in _load(out)] == ["fp32"]
+
+
 def test_fresh_processes_over_seeds_with_resume(tmp_path):
     """Spawned children get their seed's initial weights and record their results."""
     config = micro_config(run={"strategies": ("bf16",), "seeds": 2, "jobs": 2, "steps": 3,

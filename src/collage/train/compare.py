@@ -170,8 +170,9 @@ def compare(config: Config, out_dir: str, *, log=print) -> list[dict[str, Any]]:
     started = time.time()
     bar = _bar(len(pending) * config.run.steps, config.run.quiet)
     say = (lambda msg: (bar.write(msg) if bar is not None else log(msg))) if log else None
-    if say and len(pending) < len(runs):
-        say(f"{len(runs) - len(pending)} of {len(runs)} runs already finished in {out_dir}")
+    finished = sum(result is not None for result in results)
+    if say and finished:
+        say(f"{finished} of {len(runs)} runs already finished in {out_dir}")
     tasks = {i: _task(config, runs[i], out_dir, threads, n_jobs) for i in pending}
     try:
         if config.run.isolate:
