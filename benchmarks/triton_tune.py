@@ -21,22 +21,16 @@ import torch
 
 import collage
 from collage.bench.common import gpt_shapes
+from collage.bench.measure import make_params
 from collage.optim.triton import launch
 
 SETTINGS = [(block, warps) for block, warps in itertools.product((1024, 2048, 4096), (4, 8))]
 STRATEGIES = ("fp32", "bf16", "light", "plus")
 
 
-def _params(size: str, dtype: torch.dtype) -> list[torch.nn.Parameter]:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(shape, generator=g, device="cuda").to(dtype))
-            for _, shape in gpt_shapes(size)]
-
-
 def _time(make, size: str, dtype: torch.dtype, steps: int) -> float:
-    params = _params(size, dtype)
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
+    # the bench's parameters and gradients, drawn on the GPU
+    params = make_params(gpt_shapes(size), dtype, torch.device("cuda"), seed=0)
     opt = make(params)
     for _ in range(3):
         opt.step()

@@ -197,10 +197,7 @@ class CollageOptimizer(Optimizer):
                 grad = param.grad
                 if grad is None:
                     continue
-                # the usual case tested inline (this runs per parameter and step); the
-                # function names what is wrong
-                if grad.dtype != param.dtype or grad.shape != param.shape or grad.is_sparse:
-                    check_gradient(name, param, grad)
+                check_gradient(name, param, grad)
                 keys = (*group_keys, name) if named else group_keys
                 items.append(Item(name, param, grad, state[param], positions[id(param)],
                                   keys))
