@@ -22,6 +22,7 @@ import torch
 import collage
 from collage.bench.common import gpt_shapes
 from collage.bench.measure import make_params
+from collage.optim import get_strategy
 from collage.optim.triton import launch
 
 SETTINGS = [(block, warps) for block, warps in itertools.product((1024, 2048, 4096), (4, 8))]
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {}
         for size in sizes:
             for strategy in STRATEGIES:
-                dtype = torch.float32 if strategy == "fp32" else torch.bfloat16
+                dtype = get_strategy(strategy).weight_dtypes[0]
                 row[f"{strategy}@{size}"] = _time(_collage(strategy), size, dtype, args.steps)
         results["settings"][f"{block}x{warps}"] = row
         print(f"BLOCK {block:5d} warps {warps}: " + "  ".join(
