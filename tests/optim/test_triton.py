@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import collage
-from collage.optim import compiled, dispatch, get_strategy
+from collage.optim import compiled, dispatch, get_strategy, rounding
 from collage.optim.triton import launch as launches
 from collage.optim.triton import path as triton_path
 from collage.optim.triton import plan as triton_plan
@@ -177,6 +177,46 @@ def test_fma_is_correctly_rounded_in_the_interpreter():
     out = torch.empty(n)
     module.fma_probe[(n // 256,)](a, b, c, out, n, EMULATE_FMA=True, BLOCK=256)
     assert torch.equal(out.view(torch.int32), torch.addcmul(c, a, b).view(torch.int32))
+
+
+def _hard_stochastic_inputs() -> torch.Tensor:
+    """float32 values over every bf16 spacing (2**-133 ... 2**120): random significands at
+    every exponent, the subnormals, values a hair either side of bf16 values and of
+    midpoints, the largest finite values (whose upward neighbour is inf), zeros, inf, nan."""
+    g = torch.Generator().manual_seed(3)
+    exponents = torch.arange(-149, 128, dtype=torch.float32).repeat_interleave(16)
+    values = (1 + torch.rand(exponents.numel(), generator=g)) * torch.exp2(exponents)
+    bf = torch.randint(0, 0x7F80, (2048,), generator=g, dtype=torch.int32) << 16
+    near = torch.cat([bf + 1, bf - 1, bf + 0x8000, bf + 0x7FFF, bf | 0x1]).view(torch.float32)
+    special = torch.tensor([0.0, -0.0, 3.4028235e38, -3.4028235e38, 3.39e38, 1e-45, -1e-45,
+                            2.0**-133, 2.0**-126, float("inf"), float("-inf"), float("nan")])
+    x = torch.cat([values, near, special])
+    return torch.cat([x, -x])
+
+
+@needs_triton
+def test_stochastic_rounding_by_exponent_arithmetic_is_the_exact_division():
+    """The kernels divide by the bf16 spacing with exponent arithmetic
+    (``kernels._over_spacing``): the rounding must be ``rounding._stochastic_round_bf16``'s
+    (an IEEE division, exact here: the spacing is a power of two) bit for bit, for draws at
+    0, random ones, and ones at, just under and just over the probability (in float64 from
+    the binade's spacing; at a binade's lower edge the downward spacing is half that, so
+    there those draws are merely near it)."""
+    module = launches.kernel_module(True)
+    x = _hard_stochastic_inputs()
+    nearest = x.to(torch.bfloat16).double()
+    exact = ((x.double() - nearest).abs() / torch.where(torch.isfinite(nearest),
+             torch.exp2(torch.floor(torch.log2(nearest.abs().clamp_min(2.0**-126))) - 7),
+             torch.ones_like(nearest)))
+    g = torch.Generator().manual_seed(4)
+    at = exact.clamp(0, 1 - 2.0**-24).float()
+    for draw in (torch.zeros_like(x), at, torch.nextafter(at, torch.zeros_like(at)),
+                 torch.nextafter(at, torch.ones_like(at)), torch.rand(x.shape, generator=g)):
+        out = torch.empty(x.shape, dtype=torch.int16)
+        module.stochastic_probe[(-(-x.numel() // 256),)](x, draw, out, x.numel(), HW=False,
+                                                         BLOCK=256)
+        expected = rounding._stochastic_round_bf16(x, draw).view(torch.int16)
+        assert torch.equal(out, expected)
 
 
 @needs_triton

@@ -40,13 +40,17 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = ["triton", "GPU_BLOCK", "GPU_WARPS", "INTERPRETED_BLOCK", "interpreting",
            "kernel_module", "block_size", "Launch", "build", "signature_of", "refresh_grads",
-           "grad_scale", "kernel_flags", "step_arguments", "decays", "device_coefficients",
+           "grad_scale", "kernel_flags", "variant_flags", "launch_flags", "programs",
+           "step_arguments", "decays", "device_coefficients",
            "capturable_decays", "launch"]
 
 #: elements per program: on a GPU 8 per thread of 4 warps (16-byte loads of bf16); in the
 #: interpreter small, so that small test tensors span several programs
 GPU_BLOCK, GPU_WARPS = 1024, 4
 INTERPRETED_BLOCK = 256
+#: persistent programs per multiprocessor on a GPU, and in the interpreter in all
+PROGRAMS_PER_SM = 8
+INTERPRETED_PROGRAMS = 3
 
 _MODULES: dict[bool, ModuleType] = {}
 
@@ -239,12 +243,27 @@ def _float32(value: float) -> float:
 
 
 def kernel_flags(group: GroupStep, dtype: torch.dtype, decays: bool, capturable: bool,
-                 emulate_fma: bool) -> dict:
+                 interpreted: bool, skippable: bool = False) -> dict:
     """The compile-time arguments of ``kernels.multi_tensor_step`` for a bucket."""
-    rule, strategy, hyper = group.rule, group.strategy, group.hyper
+    hyper = group.hyper
+    return variant_flags(group.rule, group.strategy, dtype, decays=decays,
+                         scaled=group.grad_scale is not None, maximize=group.maximize,
+                         capturable=capturable, interpreted=interpreted,
+                         skippable=skippable,
+                         weight_decay=group.rule.name == "sgd" and hyper["weight_decay"] != 0,
+                         momentum=group.rule.name == "sgd" and hyper["momentum"] != 0,
+                         nesterov=group.rule.name == "sgd" and bool(hyper["nesterov"]))
+
+
+def variant_flags(rule: Rule, strategy: Strategy, dtype: torch.dtype, *, decays: bool,
+                  scaled: bool = False, maximize: bool = False, capturable: bool = False,
+                  interpreted: bool = False, skippable: bool = False,
+                  weight_decay: bool = False, momentum: bool = False,
+                  nesterov: bool = False) -> dict:
+    """The compile-time arguments of one kernel variant, from plain data (a bucket's, or
+    one ``benchmarks/gpu_model.py`` compiles); ``launch_flags`` adds the launch's own."""
     components = strategy.weight_components(dtype)
     states = strategy.state_components(rule, dtype)
-    sgd = rule.name == "sgd"
     return {
         "RULE": layout.RULE_CODES[rule.name],
         "LANDING": strategy.native_code,
@@ -253,15 +272,26 @@ def kernel_flags(group: GroupStep, dtype: torch.dtype, decays: bool, capturable:
         "S_KIND": layout.KINDS[states[0].dtype],
         "SLOW_PAIR": strategy.mcf_slow_states,
         "DECAY": decays,
-        "SCALED": group.grad_scale is not None,
-        "MAXIMIZE": group.maximize,
+        "SCALED": scaled,
+        "MAXIMIZE": maximize,
         "CAPTURABLE": capturable,
-        "WEIGHT_DECAY": sgd and hyper["weight_decay"] != 0,
-        "MOMENTUM": sgd and hyper["momentum"] != 0,
-        "NESTEROV": sgd and bool(hyper["nesterov"]),
+        "WEIGHT_DECAY": weight_decay,
+        "MOMENTUM": momentum,
+        "NESTEROV": nesterov,
         "HAS_SCALE": rule.name != "adamw",  # rule.fast returns a scale (-lr)
-        "EMULATE_FMA": emulate_fma,
+        # the interpreter's fma rounds twice and its bf16 conversion is not to nearest:
+        # there both are computed exactly in software; a GPU's hardware does them
+        "EMULATE_FMA": interpreted,
+        "HW": not interpreted,
+        "SKIPPABLE": skippable,
     }
+
+
+def launch_flags(masked: bool, aligned: bool, interpreted: bool) -> dict:
+    """The launch's compile-time arguments: tails or whole blocks, the alignment hint, the
+    block size."""
+    return {"MASKED": masked, "ALIGNED": aligned,
+            "BLOCK": INTERPRETED_BLOCK if interpreted else GPU_BLOCK}
 
 
 def step_arguments(rule: Rule, coefficients: dict) -> list[float]:
@@ -304,10 +334,22 @@ def capturable_decays(group: GroupStep) -> bool:
     return group.rule.name != "sgd" and float(group.hyper["weight_decay"]) != 0.0
 
 
+def programs(tiles: int, device: torch.device) -> int:
+    """How many persistent programs step ``tiles`` tiles: on a GPU ``PROGRAMS_PER_SM`` per
+    multiprocessor (each then loops over its share, fetching the next tile before it
+    computes the current one); in the interpreter a few, so that tests cross the loop."""
+    if device.type == "cpu":
+        return min(tiles, INTERPRETED_PROGRAMS)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return min(tiles, sms * PROGRAMS_PER_SM)
+
+
 def launch(plan: Launch, flags: dict, arguments: Sequence[float], step: int,
-           coefficients: torch.Tensor | None, scale: torch.Tensor | None) -> None:
+           coefficients: torch.Tensor | None, scale: torch.Tensor | None,
+           found: torch.Tensor | None = None) -> None:
     """Run a bucket's launches: its whole blocks unmasked, then its tails masked (two
-    kernel calls whatever the number of tensors)."""
+    kernel calls whatever the number of tensors). ``found``: the device's non-finite
+    verdict (``flags["SKIPPABLE"]``): nonzero, the kernels write nothing."""
     device = plan.table.device
     interpret = device.type == "cpu"
     kernel = kernel_module(interpret).multi_tensor_step
@@ -315,10 +357,12 @@ def launch(plan: Launch, flags: dict, arguments: Sequence[float], step: int,
     options = {} if interpret else {"num_warps": GPU_WARPS, "enable_fp_fusion": False}
     with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
         for blocks, masked in ((plan.whole, False), (plan.tails, True)):
-            if blocks.shape[0] == 0:
+            tiles = blocks.shape[0]
+            if tiles == 0:
                 continue
-            kernel[(blocks.shape[0],)](
+            kernel[(programs(tiles, device),)](
                 plan.table, plan.grads, blocks,
                 spare if coefficients is None else coefficients,
-                spare if scale is None else scale, *arguments, step, **flags,
-                MASKED=masked, ALIGNED=plan.aligned, BLOCK=block_size(device), **options)
+                spare if scale is None else scale, spare if found is None else found,
+                *arguments, step, tiles, **flags,
+                **launch_flags(masked, plan.aligned, interpret), **options)

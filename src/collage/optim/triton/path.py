@@ -129,8 +129,10 @@ def _aligned(entry: Entry) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def _emulate_fma(device: torch.device) -> bool:
-    """The interpreter's ``tl.fma`` rounds twice: emulate it there (``kernels._fma``)."""
+def _interpreted(device: torch.device) -> bool:
+    """CPU tensors run in Triton's interpreter, whose ``tl.fma`` rounds twice and whose
+    bf16 conversion does not round to nearest: the kernels compute both exactly in
+    software there (``launch.variant_flags``)."""
     return device.type == "cpu"
 
 
@@ -161,7 +163,7 @@ def _step(group: GroupStep, entries: list[Entry], whole_group: bool) -> None:
         key = (dtype, aligned, tuple(e.item.position for e in bucket))
         launch = _launch_of(group, key, bucket, capturable=False)
         flags = launches.kernel_flags(group, dtype, launches.decays(coefficients), False,
-                                      _emulate_fma(device))
+                                      _interpreted(device))
         launches.launch(launch, flags, launches.step_arguments(group.rule, coefficients),
                         step, None, scale)
         done.append((launch, members, dtype))
@@ -210,5 +212,5 @@ def _step_capturable(group: GroupStep, entries: list[Entry]) -> None:
         launch = _launch_of(group, key, bucket, capturable=True)
         coefficients = launches.device_coefficients(group, [e.state["step"] for e in bucket])
         flags = launches.kernel_flags(group, dtype, launches.capturable_decays(group), True,
-                                      _emulate_fma(device))
+                                      _interpreted(device))
         launches.launch(launch, flags, [0.0] * layout.NCOEF, 0, coefficients, scale)
