@@ -143,6 +143,87 @@ def test_capturable_is_the_foreach_kernel_bit_for_bit(rule, strategy, ieee_sqrt)
     assert_bitwise_equal(got, want)
 
 
+def _run_with_a_bad_step(rule: RuleCase, strategy: str, flags: dict, *, bad: int = 2,
+                         steps: int = 4) -> tuple[dict, collage.optim.CollageOptimizer]:
+    """``steps`` steps under the default ``nonfinite="skip"``, the ``bad``-th (from 0) with an
+    inf in one gradient and a nan in another; every weight and state after, and the
+    optimizer."""
+    dtype = weight_dtype(strategy)
+    params = _params(dtype)
+    opt = rule.cls(params, strategy=strategy, seed=3, **flags, **rule.kwargs)
+    g = torch.Generator().manual_seed(11)
+    for step in range(steps):
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=g) * 10.0 ** (step - 3)).to(dtype)
+        if step == bad:
+            params[0].grad.view(-1)[3] = float("inf")
+            params[4].grad.view(-1)[-1] = float("nan")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the host's skip warns here
+            opt.step()
+    out = {f"p{i}": p.detach().clone() for i, p in enumerate(params)}
+    for i, p in enumerate(params):
+        out.update({f"s{i}/{k}": v.detach().cpu().clone() for k, v in opt.state[p].items()})
+    return out, opt
+
+
+@needs_triton
+@pytest.mark.parametrize(("rule", "strategy"), [
+    *_cases(RULE_CASES[:1]),
+    *[pytest.param(rule, s, id=f"{rule}-{s}") for rule in RULES[1:] for s in ("plus", "bf16")]])
+def test_the_default_check_skips_on_the_device_bit_for_bit(rule, strategy, ieee_sqrt):
+    """``nonfinite="skip"`` (the default) on the Triton path: the verdict stays on the
+    device, the kernels write nothing on a bad step, the step counters stay (advanced by
+    1 - verdict), and the result is the host-checked foreach path's bit for bit; the
+    skipped step is counted when ``skipped_steps`` is read."""
+    got, opt = _run_with_a_bad_step(rule, strategy, {"fused": "triton"})
+    want, ref = _run_with_a_bad_step(rule, strategy, {"foreach": True})
+    assert opt.last_paths == {0: "triton"}
+    assert opt._device_skips is not None  # the verdicts were left on the device
+    assert_bitwise_equal(got, want)
+    with pytest.warns(RuntimeWarning, match="skipped 1 step"):
+        assert opt.skipped_steps == 1 == ref.skipped_steps
+    assert opt.state_dict()["collage"]["skipped_steps"] == 1
+
+
+@needs_triton
+def test_a_step_with_the_verdict_on_the_device_never_reads_a_tensor_on_the_host(monkeypatch,
+                                                                               ieee_sqrt):
+    """What ``set_sync_debug_mode("error")`` checks on a GPU (test_triton_cuda.py), checked
+    here on the interpreter: after the first step (which moves the counters), a default
+    step reads no tensor's value on the host (no ``item``, ``bool``, ``float``, ``int``,
+    ``tolist``), on a good step and on a bad one."""
+    params = _params(torch.bfloat16)
+    opt = collage.AdamW(params, strategy="plus", fused="triton")
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    opt.step()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was read on the host during step()")
+
+    for name in ("item", "__bool__", "__float__", "__int__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    for bad in (False, True, False):
+        for p in params:
+            p.grad = torch.full_like(p, float("nan") if bad else 0.25)
+        opt.step()
+    monkeypatch.undo()
+    assert opt.last_paths == {0: "triton"}
+    with pytest.warns(RuntimeWarning, match="skipped 1 step"):
+        assert opt.skipped_steps == 1
+    assert all(float(opt.state[p]["step"]) == 3.0 for p in params)
+
+
+@needs_triton
+def test_capturable_with_the_default_check_skips_on_the_device(ieee_sqrt):
+    got, opt = _run_with_a_bad_step(RULE_CASES[0], "light", {"capturable": True})
+    want, _ = _run_with_a_bad_step(RULE_CASES[0], "light", {"foreach": True})
+    assert_bitwise_equal(got, want)
+    with pytest.warns(RuntimeWarning, match="skipped 1 step"):
+        assert opt.skipped_steps == 1
+
+
 @needs_triton
 def test_stochastic_draws_are_every_other_path_s():
     """SGD with lr = 1 on weights near 1 and gradients near 2**-12: ``w - g`` is exact and
@@ -418,7 +499,7 @@ def test_without_triton_the_dispatch_falls_back(monkeypatch):
     ({"reference": True}, "reference"),
     ({"fused": False}, "fused"),
     ({"track_updates": True, "nonfinite": "ignore"}, "track_updates"),
-    ({"nonfinite": "skip"}, "nonfinite='ignore'"),
+    ({"nonfinite": "raise"}, "nonfinite='skip'"),
 ])
 def test_capturable_refuses_what_would_synchronise(flags, match):
     params = _params(torch.bfloat16)

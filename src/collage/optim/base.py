@@ -64,6 +64,7 @@ class CollageOptimizer(Optimizer):
         self.nonfinite = nonfinite
         self.track_updates = track_updates
         self.seed = seed
+        self._device_skips: torch.Tensor | None = None
         self.skipped_steps = 0
         self.update_stats: dict[str, float] = {}
         #: the path that stepped each group last (``dispatch.PATHS``), by group index
@@ -131,9 +132,11 @@ class CollageOptimizer(Optimizer):
         if self.track_updates:
             raise ValueError("capturable=True cannot measure lost updates (track_updates): "
                              "the sums are read on the host")
-        if self.nonfinite != "ignore":
-            raise ValueError("capturable=True needs nonfinite='ignore': the non-finite check "
-                             "reads a flag on the host, which waits for the device")
+        if self.nonfinite == "raise":
+            raise ValueError("capturable=True cannot raise on a non-finite gradient (raising "
+                             "reads the verdict on the host, which waits for the device): use "
+                             "nonfinite='skip' (the kernels skip on the device's verdict) or "
+                             "'ignore'")
 
     @staticmethod
     def _param_names(group: dict, index: int) -> list[str]:
@@ -159,12 +162,13 @@ class CollageOptimizer(Optimizer):
         self._convert_strategies()  # before gathering: the items hold the states
         batches = self._gather()
         sharded = shard_group(item.param for _, _, items in batches for item in items)
-        if not self._gradients_usable(batches, sharded):
-            return loss
         stats = UpdateStats() if self._measuring() else None
+        groups = [(index, self._group_step(index, group, items, stats))
+                  for index, group, items in batches]
+        if not self._gradients_usable(batches, sharded, [step for _, step in groups]):
+            return loss
         # every group is checked before any is stepped: a mismatch changes nothing
-        prepared = [(index, dispatch.prepare(self._group_step(index, group, items, stats)))
-                    for index, group, items in batches]
+        prepared = [(index, dispatch.prepare(step)) for index, step in groups]
         for index, ready in prepared:
             if ready is not None:
                 self.last_paths[index] = dispatch.run(ready)
@@ -263,8 +267,11 @@ class CollageOptimizer(Optimizer):
 
     # ----------------------------------------------------------------------- non-finite
 
-    def _gradients_usable(self, batches: list[Batch], sharded) -> bool:
-        """Apply the GradScaler verdict and the non-finite policy with one host sync."""
+    def _gradients_usable(self, batches: list[Batch], sharded,
+                          groups: list[GroupStep]) -> bool:
+        """Apply the GradScaler verdict and the non-finite policy: with one host sync, or,
+        where every group's path reads it on the device (``dispatch.verdict_on_device``),
+        with none: the verdict goes to the groups and the kernels skip on it."""
         proof, self._finite_proof = self._finite_proof, None  # good for one step at most
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None:
@@ -284,10 +291,49 @@ class CollageOptimizer(Optimizer):
                 and proof.proves_finite():
             return True
         bad = all_ranks_max(nonfinite_flag([local(grad) for grad in grads]), sharded)
+        if self.nonfinite == "skip" and all(dispatch.verdict_on_device(g) for g in groups):
+            for group in groups:
+                group.found_nonfinite = bad
+            self._count_on_device(bad)
+            return True
         if not bool(bad.item()):
             return True
         self._report_nonfinite(batches)
         return False
+
+    def _count_on_device(self, bad: torch.Tensor) -> None:
+        """Add a device verdict to the skipped steps' count kept there (float64: exact), read
+        when ``skipped_steps`` is (:meth:`_settle_skips`)."""
+        if self._device_skips is None or self._device_skips.device != bad.device:
+            self._settle_skips()
+            self._device_skips = bad.to(torch.float64)
+        else:
+            self._device_skips.add_(bad)
+
+    def _settle_skips(self) -> None:
+        """Read the steps the kernels skipped on the device's verdict (one host sync), count
+        them and warn once for them (their gradients are gone: no names)."""
+        pending, self._device_skips = self._device_skips, None
+        if pending is None:
+            return
+        skipped = int(pending.item())
+        if skipped:
+            self.__dict__["skipped_steps"] += skipped
+            warnings.warn(f"collage: skipped {skipped} step(s) on a non-finite gradient, "
+                          f"found on the device ({self.__dict__['skipped_steps']} skipped so "
+                          "far); weights and states unchanged", RuntimeWarning, stacklevel=3)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped on a non-finite gradient or GradScaler's overflow. Steps skipped
+        on a verdict left on the device are read now (one host sync)."""
+        self._settle_skips()
+        return self.__dict__["skipped_steps"]
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._device_skips = None
+        self.__dict__["skipped_steps"] = value
 
     def _report_nonfinite(self, batches: list[Batch]) -> None:
         names = [item.name for _, _, items in batches for item in items
@@ -363,12 +409,14 @@ class CollageOptimizer(Optimizer):
                "last_paths", "_steps_taken", "_state_strategies", "_checked_hyper")
 
     def __getstate__(self) -> dict[str, Any]:
+        self._settle_skips()
         out = super().__getstate__()
         out.update({name: self.__dict__[name] for name in self._COPIED})
         return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self._device_skips = None
         self._positions = None
         self._caches = {}
         self._warned = False

@@ -41,7 +41,8 @@ from .group import Entry, GroupStep, entries_of, local
 from .native import path as native_path
 from .triton import path as triton_path
 
-__all__ = ["PATHS", "Prepared", "choose", "prepare", "run", "step_group"]
+__all__ = ["PATHS", "Prepared", "choose", "verdict_on_device", "prepare", "run",
+           "step_group"]
 
 PATHS = ("reference", "per_tensor", "foreach", "native", "compiled", "triton")
 
@@ -72,6 +73,18 @@ def choose(group: GroupStep, device: torch.device) -> str:
             group.warn("torch.compile has no C++ compiler or Triton here; using the foreach "
                        "path (same float32 arithmetic, not compiled)")
     return "per_tensor" if group.foreach is False else "foreach"
+
+
+def verdict_on_device(group: GroupStep) -> bool:
+    """Whether ``group``'s step can take the non-finite check's verdict on the device: its
+    path is the Triton kernels, which read it there and write nothing when it is set, so
+    that the step never waits for the device (``docs/gpu.md``). GradScaler's verdict and
+    measured steps are read on the host."""
+    if not group.items:
+        return True
+    if group.grad_scale is not None or group.stats is not None:
+        return False
+    return choose(group, local(group.items[0].param).device) == "triton"
 
 
 def _native_covers(group: GroupStep) -> bool:

@@ -57,7 +57,9 @@ class GroupStep:
     ``foreach``/``fused``/``reference``: the implementation flags (``dispatch.choose``);
     ``stats``: measure the step into it; ``cache``: a dict kept by the caller from step to
     step for this group (the native path keeps its call table there); ``warn``: called once
-    with the reason when an asked-for acceleration is unavailable."""
+    with the reason when an asked-for acceleration is unavailable; ``found_nonfinite``: the
+    non-finite check's verdict left on the device (a float32 scalar, nonzero: skip), for a
+    path that reads it there (the Triton kernels) instead of the host deciding first."""
 
     rule: Rule
     strategy: Strategy
@@ -71,6 +73,7 @@ class GroupStep:
     stats: UpdateStats | None = None
     cache: dict = field(default_factory=dict)
     warn: Callable[[str], None] = _warn
+    found_nonfinite: torch.Tensor | None = None
 
     @property
     def maximize(self) -> bool:

@@ -86,11 +86,13 @@ def _reads(group: GroupStep, dtype: torch.dtype) -> bool:
 def step_triton(group: GroupStep, entries: list[Entry]) -> None:
     """Step ``entries``: those the kernels take in one launch per weight dtype (per step
     value, and aligned or not), the rest with the eager kernel, one by one (same
-    arithmetic)."""
+    arithmetic). Capturable, or with the non-finite verdict on the device
+    (``group.found_nonfinite``), the step counters and coefficients live on the device."""
     device = entries[0].param.device
     fit, rest = [], []
     for entry in entries:
         (fit if fits(group, entry, device) else rest).append(entry)
+    found = group.found_nonfinite
     if group.hyper.get("capturable", False):
         if rest:
             raise ValueError(
@@ -98,7 +100,13 @@ def step_triton(group: GroupStep, entries: list[Entry]) -> None:
                 f"Triton kernels (not contiguous, not on {device}, a shard that is not one "
                 "flat range, or a dtype they do not read); the eager kernel it would need "
                 "synchronises with the device")
-        _step_capturable(group, fit)
+        _step_on_device(group, fit, found)
+    elif found is not None:
+        _step_on_device(group, fit, found)
+        # the eager kernel cannot read the verdict on the device: the host reads it (rare
+        # layouts only: a view that is not contiguous, a shard that is not one flat range)
+        if rest and bool(found.item()):
+            return
     else:
         _step(group, fit, whole_group=not rest)
     for entry in rest:
@@ -175,9 +183,12 @@ def _step(group: GroupStep, entries: list[Entry], whole_group: bool) -> None:
 
 def planned(group: GroupStep) -> list[int] | None:
     """The gradients' addresses for the plan the group's last Triton step left, if it
-    still describes the group (``TritonPlan.ready``); else None, the plan dropped."""
+    still describes the group (``TritonPlan.ready``) and the step's counters are the
+    host's (no verdict left on the device); else None, the plan dropped."""
     plan = group.cache.get(_PLAN)
-    grads = None if plan is None else plan.ready(group)
+    grads = None
+    if plan is not None and group.found_nonfinite is None:
+        grads = plan.ready(group)
     if grads is None:
         group.cache.pop(_PLAN, None)
     return grads
@@ -189,9 +200,11 @@ def step_planned(group: GroupStep, grads: list[int]) -> bool:
     return True
 
 
-def _step_capturable(group: GroupStep, entries: list[Entry]) -> None:
+def _step_on_device(group: GroupStep, entries: list[Entry],
+                    found: torch.Tensor | None) -> None:
     """Counters on the device: one launch per weight dtype, each row's coefficients
-    computed there from its counter."""
+    computed there from its counter. ``found``: the device's non-finite verdict; where it
+    is set the counters stay (advanced by ``1 - found``) and the kernels write nothing."""
     group.cache.pop(_PLAN, None)
     if not entries:
         return
@@ -202,7 +215,8 @@ def _step_capturable(group: GroupStep, entries: list[Entry]) -> None:
             # a fill on the device, not a copy from the host (which would wait for it)
             entry.state["step"] = torch.full((), float(counter), dtype=torch.float32,
                                              device=device)
-    torch._foreach_add_([e.state["step"] for e in entries], 1.0)
+    counters = [e.state["step"] for e in entries]
+    torch._foreach_add_(counters, 1.0 if found is None else 1.0 - found.to(device))
     buckets: dict[tuple, list[Entry]] = {}
     for entry in entries:
         buckets.setdefault((entry.param.dtype, _aligned(entry)), []).append(entry)
@@ -212,5 +226,5 @@ def _step_capturable(group: GroupStep, entries: list[Entry]) -> None:
         launch = _launch_of(group, key, bucket, capturable=True)
         coefficients = launches.device_coefficients(group, [e.state["step"] for e in bucket])
         flags = launches.kernel_flags(group, dtype, launches.capturable_decays(group), True,
-                                      _interpreted(device))
-        launches.launch(launch, flags, [0.0] * layout.NCOEF, 0, coefficients, scale)
+                                      _interpreted(device), skippable=found is not None)
+        launches.launch(launch, flags, [0.0] * layout.NCOEF, 0, coefficients, scale, found)
