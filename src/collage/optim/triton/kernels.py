@@ -665,26 +665,38 @@ def multi_tensor_step(
     BLOCK: tl.constexpr,
 ):
     """Persistent programs: program ``p`` steps tiles ``p, p + P, p + 2P ...`` (``P``
-    programs), and fetches each next tile (its loads issued) before it computes the
-    current one, so that a tile's memory traffic overlaps the previous tile's arithmetic.
-    The fetch past the last tile re-reads the last one (never out of range; its values
-    are dropped). With ``SKIPPABLE`` and a nonzero ``found`` no tile is stepped: every
+    programs). Over whole blocks it fetches each next tile (its loads issued) before it
+    computes the current one, so that a tile's memory traffic overlaps the previous tile's
+    arithmetic; the fetch past the last tile re-reads the last one (never out of range;
+    its values are dropped). With ``SKIPPABLE`` and a nonzero ``found`` no tile is stepped: every
     weight and state is left as it was, with no host involved."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     count = tiles
     if SKIPPABLE:
         count = tl.where(tl.load(found) != 0, 0, tiles)
-    tile = _fetch(table, grads, blocks, pid, RULE, LANDING, W_KIND, X_KIND, S_KIND,
-                  SLOW_PAIR, MOMENTUM, MASKED, ALIGNED, BLOCK)
-    for i in range(pid, count, programs):
-        following = _fetch(table, grads, blocks, tl.minimum(i + programs, tiles - 1), RULE,
-                           LANDING, W_KIND, X_KIND, S_KIND, SLOW_PAIR, MOMENTUM, MASKED,
-                           ALIGNED, BLOCK)
-        _step_tile(tile, table, coefs, scale, k0, k1, k2, k3, k4, k5, k6, k7, step, RULE,
-                   LANDING, W_KIND, X_KIND, S_KIND, SLOW_PAIR, DECAY, SCALED, MAXIMIZE,
-                   CAPTURABLE, WEIGHT_DECAY, MOMENTUM, NESTEROV, HAS_SCALE, EMULATE_FMA, HW)
-        tile = following
+    if MASKED:
+        # tails: one per tensor, element by element; fetched where computed, so that a
+        # thread holds one tile's registers, not two
+        for i in range(pid, count, programs):
+            tile = _fetch(table, grads, blocks, i, RULE, LANDING, W_KIND, X_KIND, S_KIND,
+                          SLOW_PAIR, MOMENTUM, MASKED, ALIGNED, BLOCK)
+            _step_tile(tile, table, coefs, scale, k0, k1, k2, k3, k4, k5, k6, k7, step,
+                       RULE, LANDING, W_KIND, X_KIND, S_KIND, SLOW_PAIR, DECAY, SCALED,
+                       MAXIMIZE, CAPTURABLE, WEIGHT_DECAY, MOMENTUM, NESTEROV, HAS_SCALE,
+                       EMULATE_FMA, HW)
+    else:
+        tile = _fetch(table, grads, blocks, pid, RULE, LANDING, W_KIND, X_KIND, S_KIND,
+                      SLOW_PAIR, MOMENTUM, MASKED, ALIGNED, BLOCK)
+        for i in range(pid, count, programs):
+            following = _fetch(table, grads, blocks, tl.minimum(i + programs, tiles - 1),
+                               RULE, LANDING, W_KIND, X_KIND, S_KIND, SLOW_PAIR, MOMENTUM,
+                               MASKED, ALIGNED, BLOCK)
+            _step_tile(tile, table, coefs, scale, k0, k1, k2, k3, k4, k5, k6, k7, step,
+                       RULE, LANDING, W_KIND, X_KIND, S_KIND, SLOW_PAIR, DECAY, SCALED,
+                       MAXIMIZE, CAPTURABLE, WEIGHT_DECAY, MOMENTUM, NESTEROV, HAS_SCALE,
+                       EMULATE_FMA, HW)
+            tile = following
 
 
 @triton.jit

@@ -49,7 +49,7 @@ __all__ = ["triton", "GPU_BLOCK", "GPU_WARPS", "INTERPRETED_BLOCK", "interpretin
 GPU_BLOCK, GPU_WARPS = 1024, 4
 INTERPRETED_BLOCK = 256
 #: persistent programs per multiprocessor on a GPU, and in the interpreter in all
-PROGRAMS_PER_SM = 8
+PROGRAMS_PER_SM = 4
 INTERPRETED_PROGRAMS = 3
 
 _MODULES: dict[bool, ModuleType] = {}

@@ -9,7 +9,7 @@ import torch
 
 __all__ = ["NCOL", "C_GRAD", "C_PARAM", "C_EXTRA", "C_STATE", "MAX_STATES", "C_NUMEL",
            "C_INDEX", "C_MIX", "C_STEP", "NCOEF", "KINDS", "RULE_CODES", "COEFFICIENTS",
-           "LANDINGS"]
+           "LANDINGS", "ARGUMENT_TYPES"]
 
 # One int64 row per tensor in the launch table:
 #
@@ -47,3 +47,11 @@ COEFFICIENTS = {
 #: the landings the kernels compute, by the strategies' ``native_code`` (fp32, mixed,
 #: bf16, kahan, stochastic, light, plus, split: ``kernels.L_*``)
 LANDINGS = frozenset(range(8))
+
+#: the Triton types of ``kernels.multi_tensor_step``'s runtime (not constexpr) arguments, for
+#: compiling a variant without launching it (``benchmarks/gpu_model.py``)
+ARGUMENT_TYPES = {
+    "table": "*i64", "grads": "*i64", "blocks": "*i32", "coefs": "*fp32", "scale": "*fp32",
+    "found": "*fp32", **{f"k{j}": "fp32" for j in range(NCOEF)}, "step": "i32",
+    "tiles": "i32",
+}

@@ -1,0 +1,468 @@
+"""A model of the Triton optimizer step on a GPU, from the compiled code, on a machine with
+no GPU (issue #29, docs/gpu.md "The model").
+
+Triton compiles ``kernels.multi_tensor_step`` for an NVIDIA target without a GPU; its wheel
+ships ``nvdisasm`` and ``cuobjdump``. For every kernel variant the launcher can choose (rule x
+strategy at its default weight dtype; whole blocks and tails; the default configuration,
+which leaves the non-finite verdict on the device, and ``nonfinite="ignore"``) and for
+sm_90 (H100/H200) and sm_80 (A100) this script reads off the SASS:
+
+* registers and spills (``cuobjdump -res-usage``: REG, LOCAL; LDL/STL instructions);
+* the instructions a warp issues per tile on the fast path: the persistent loop's body (or,
+  for a kernel without one, the whole kernel), without the IEEE square root's and
+  division's slow paths (a predicated branch around a ``CALL``) and the subroutines;
+  divided by the elements a thread steps per tile (BLOCK / threads);
+* the global memory operations per tile by opcode (``LDG.E.128`` is a 16-byte vector);
+
+and predicts the fraction of the achievable HBM bandwidth a step reaches at 100M and 1B
+parameters:
+
+    memory  = bytes moved / achievable bandwidth        (0.9 x the datasheet's)
+    compute = instructions issued / issue rate           (SMs x 4 warp-instructions a clock)
+    kernel  = memory + compute        one tile per program: loads wait, then arithmetic
+            = max(memory, compute)    persistent programs that fetch the next tile first
+    step    = kernel + check + host   (check: the non-finite check's read of the
+                                       gradients; host: the Python of a step, measured here
+                                       with the kernels stubbed; at 1B it is negligible)
+    predicted fraction = bytes moved (step's and check's) / achievable bandwidth / step
+
+The first form fits the one H200 run of the previous kernels (docs/gpu.md); the second is
+the assumption the persistent kernels are built on, unconfirmed until a GPU measures it
+(``benchmarks/gpu_check.sh`` prints the prediction beside the measurement).
+
+Usage:
+    python benchmarks/gpu_model.py [--arch 90,80] [--json] [--revision REV] [--no-host]
+
+``--revision REV`` compiles ``src/collage/optim/triton/kernels.py`` as it was at git
+revision REV (the "before" table). ``--json`` prints one object per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+import collage
+from collage.bench.common import gpt_shapes
+from collage.optim import get_strategy
+from collage.optim.rules import RULES
+from collage.optim.triton import launch as launches
+from collage.optim.triton import layout
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ROOT / "src" / "collage" / "optim" / "triton" / "kernels.py"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """What the model needs of a GPU (datasheet figures)."""
+
+    name: str
+    arch: int
+    sms: int
+    clock_hz: float
+    bandwidth: float  # datasheet HBM bytes/s
+    efficiency: float = 0.9  # achievable fraction (a plain copy's, as measured on H200)
+    issue_per_clock: int = 4  # warp-instructions per SM per clock (4 schedulers)
+
+    @property
+    def achievable(self) -> float:
+        return self.efficiency * self.bandwidth
+
+    @property
+    def thread_instructions_per_s(self) -> float:
+        return self.sms * self.issue_per_clock * 32 * self.clock_hz
+
+
+GPUS = {90: Gpu("H200", 90, 132, 1.98e9, 4.8e12), 80: Gpu("A100-80GB", 80, 108, 1.41e9,
+                                                          2.039e12)}
+SIZES = {"100m": "100m", "1b": "1b"}
+#: The H200 run of the kernels before #29 (docs/gpu.md): AdamW at 1B parameters,
+#: fraction of the achievable bandwidth measured, without the non-finite check
+H200_MEASURED_1B = {"fp32": 0.80, "bf16": 0.57, "light": 0.54, "plus": 0.52}
+_BIN = Path(launches.triton.__file__).parent / "backends" / "nvidia" / "bin" \
+    if launches.triton is not None else None
+
+
+# ---------------------------------------------------------------------------------------
+# compiling a variant
+# ---------------------------------------------------------------------------------------
+
+
+def tools_available() -> bool:
+    """Whether Triton's NVIDIA backend and its disassembler are here."""
+    return _BIN is not None and (_BIN / "nvdisasm").exists() and (_BIN / "cuobjdump").exists()
+
+
+def kernels_at(revision: str | None) -> ModuleType:
+    """``kernels.py`` compiled (not interpreted), as it is or as it was at ``revision``."""
+    if revision is None:
+        return launches.kernel_module(False)
+    folder = Path(tempfile.mkdtemp(prefix="collage-kernels-")) / "old_kernels"
+    folder.mkdir()
+    for name in ("kernels.py", "layout.py"):
+        text = subprocess.run(["git", "-C", str(ROOT), "show",
+                               f"{revision}:src/collage/optim/triton/{name}"],
+                              capture_output=True, text=True, check=True).stdout
+        (folder / name).write_text(text)
+    (folder / "__init__.py").write_text("")
+    sys.path.insert(0, str(folder.parent))
+    spec = importlib.util.spec_from_file_location("old_kernels.kernels", folder / "kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["old_kernels.kernels"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def compile_variant(function, constants: dict, arch: int) -> bytes:
+    """The cubin of ``function`` with ``constants`` (those it declares) for ``sm_<arch>``,
+    with the launcher's options."""
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415 - optional backend
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    names = function.arg_names
+    declared = {k: v for k, v in constants.items() if k in names}
+    signature = {name: layout.ARGUMENT_TYPES.get(name, "constexpr") for name in names}
+    missing = [n for n in names if signature[n] == "constexpr" and n not in declared]
+    if missing:
+        raise KeyError(f"no value for the kernel's arguments {missing}: add them to "
+                       "layout.ARGUMENT_TYPES (runtime) or the variant's flags (constexpr)")
+    source = ASTSource(function, signature,
+                       constexprs={(names.index(k),): v for k, v in declared.items()})
+    compiled = launches.triton.compile(source, target=GPUTarget("cuda", arch, 32), options={
+        "num_warps": launches.GPU_WARPS, "enable_fp_fusion": False})
+    return compiled.asm["cubin"]
+
+
+# ---------------------------------------------------------------------------------------
+# reading the SASS
+# ---------------------------------------------------------------------------------------
+
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_LABEL = re.compile(r"^(\.L_x_\d+|\$?[\w$.]+):\s*$")
+
+
+@dataclass
+class Sass:
+    """A kernel's instructions, in order: (opcode, predicated, operands), and labels by
+    instruction index."""
+
+    instructions: list[tuple[str, bool, str]]
+    labels: dict[str, int]
+    registers: int
+    local_bytes: int
+
+
+def read_sass(cubin: bytes) -> Sass:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        text = subprocess.run([str(_BIN / "nvdisasm"), "-c", handle.name],
+                              capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([str(_BIN / "cuobjdump"), "-res-usage", handle.name],
+                               capture_output=True, text=True, check=True).stdout
+    instructions, labels = [], {}
+    for line in text.splitlines():
+        label = _LABEL.match(line.strip())
+        if label:
+            labels[label.group(1)] = len(instructions)
+            continue
+        match = _INSTRUCTION.search(line)
+        if match:
+            instructions.append((match.group(3), bool(match.group(2)), match.group(4)))
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    return Sass(instructions, labels, registers, local)
+
+
+def _target(operands: str) -> str | None:
+    found = re.search(r"`\(([^)]+)\)", operands)
+    return found.group(1) if found else None
+
+
+def fast_path(sass: Sass) -> list[str]:
+    """The opcodes a warp issues per tile on the fast path: the persistent loop's body
+    (from a backward branch's target to the branch) or, without a loop, the kernel up to
+    its last ``EXIT`` before the subroutines; minus the regions a predicated forward branch
+    skips that hold a ``CALL`` (the IEEE square root's and division's slow paths, which
+    the fast path jumps over)."""
+    ops = sass.instructions
+    start, stop = 0, len(ops)
+    for index, (opcode, _, operands) in enumerate(ops):
+        target = _target(operands)
+        if opcode == "BRA" and target in sass.labels and sass.labels[target] <= index:
+            if sass.labels[target] < index:  # not the trailing self-loop
+                start, stop = sass.labels[target], index + 1
+                break
+    else:
+        exits = [i for i, (opcode, predicated, _) in enumerate(ops)
+                 if opcode == "EXIT" and not predicated]
+        stop = exits[0] + 1 if exits else len(ops)
+    skipped = set()
+    for index in range(start, stop):
+        opcode, predicated, operands = ops[index]
+        target = _target(operands)
+        if opcode == "BRA" and predicated and target in sass.labels:
+            end = sass.labels[target]
+            if end > index and any(o.startswith("CALL") for o, _, _ in ops[index + 1:end]):
+                skipped.update(range(index + 1, end))
+    return [ops[i][0] for i in range(start, stop) if i not in skipped]
+
+
+def memory_ops(opcodes: list[str]) -> dict[str, int]:
+    return dict(sorted(collections.Counter(
+        o for o in opcodes if o.startswith(("LDG", "STG", "LDL", "STL"))).items()))
+
+
+# ---------------------------------------------------------------------------------------
+# the variants
+# ---------------------------------------------------------------------------------------
+
+
+def bytes_per_element(rule, strategy, dtype: torch.dtype) -> int:
+    """Bytes a step moves per element (``bench.common.strategy_bytes`` for any rule): each
+    component read (unless ``read=False``) and written once, the gradient read once."""
+    components = strategy.components(rule, dtype)
+    read = sum(c.bytes for c in components if c.read) + dtype.itemsize
+    return int(read + sum(c.bytes for c in components))
+
+
+def _hyper(rule) -> dict:
+    """The hyperparameters whose flags a default run compiles: AdamW and Lion with weight
+    decay (0.01), SGD with momentum 0.9."""
+    return {"adamw": {"decays": True}, "lion": {"decays": True},
+            "sgd": {"decays": False, "momentum": True}}[rule.name]
+
+
+def variants(default_only: bool = False) -> list[dict]:
+    """Every (rule, strategy, launch) the launcher compiles for a model's step: the default
+    configuration (``default``: verdict on the device, counters there) and ``ignore``."""
+    out = []
+    for rule_name in layout.RULE_CODES:
+        rule = RULES[rule_name]
+        for name in collage.STRATEGIES:
+            strategy = get_strategy(name)
+            if strategy.native_code not in layout.LANDINGS:
+                continue
+            dtype = strategy.weight_dtypes[0]
+            configurations = {"default": {"capturable": True, "skippable": True},
+                              "ignore": {}}
+            for configuration, extra in configurations.items():
+                if default_only and configuration != "default":
+                    continue
+                flags = launches.variant_flags(rule, strategy, dtype, **_hyper(rule), **extra)
+                for variant, masked in (("whole", False), ("tail", True)):
+                    out.append({"rule": rule_name, "strategy": name,
+                                "configuration": configuration, "variant": variant,
+                                "flags": {**flags, **launches.launch_flags(masked, True,
+                                                                           False)},
+                                "bytes_per_element": bytes_per_element(rule, strategy,
+                                                                       dtype),
+                                "grad_bytes": dtype.itemsize})
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# calibration kernels: a copy and a plain float32 AdamW
+# ---------------------------------------------------------------------------------------
+
+
+def calibration_kernels() -> list[tuple[str, object, dict, int]]:
+    """(name, jit function, signature, bytes per element): a float32 copy and a plain
+    float32 AdamW with IEEE square root and division (torch's fused AdamW's arithmetic)."""
+    triton, tl = launches.triton, launches.triton.language
+
+    @triton.jit
+    def copy(src, dst, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs))
+
+    @triton.jit
+    def adamw(w, g, m, v, b1, b2, bc2, eps, step_size, decay, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        grad = tl.load(g + offs)
+        mm = tl.load(m + offs) * b1 + grad * (1 - b1)
+        vv = tl.load(v + offs) * b2 + grad * grad * (1 - b2)
+        denom = tl.div_rn(tl.sqrt_rn(vv), bc2) + eps
+        tl.store(m + offs, mm)
+        tl.store(v + offs, vv)
+        tl.store(w + offs, tl.load(w + offs) * decay - tl.div_rn(mm * step_size, denom))
+
+    scalars = {n: "fp32" for n in ("b1", "b2", "bc2", "eps", "step_size", "decay")}
+    return [("copy", copy, {"src": "*fp32", "dst": "*fp32", "BLOCK": "constexpr"}, 8),
+            ("plain fp32 AdamW", adamw, {**{n: "*fp32" for n in "wgmv"}, **scalars,
+                                         "BLOCK": "constexpr"}, 28)]
+
+
+def _compile_plain(function, signature: dict, arch: int) -> bytes:
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415 - optional backend
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    names = function.arg_names
+    source = ASTSource(function, signature,
+                       constexprs={(names.index("BLOCK"),): launches.GPU_BLOCK})
+    return launches.triton.compile(source, target=GPUTarget("cuda", arch, 32), options={
+        "num_warps": launches.GPU_WARPS, "enable_fp_fusion": False}).asm["cubin"]
+
+
+# ---------------------------------------------------------------------------------------
+# the model
+# ---------------------------------------------------------------------------------------
+
+
+def predict(gpu: Gpu, n: float, nbytes: float, instructions: float, overlapped: bool,
+            check_bytes: float = 0.0, host_s: float = 0.0) -> float:
+    """The predicted fraction of the achievable bandwidth of a step of ``n`` elements (see
+    the module docstring)."""
+    memory = n * nbytes / gpu.achievable
+    compute = n * instructions / gpu.thread_instructions_per_s
+    kernel = max(memory, compute) if overlapped else memory + compute
+    step = kernel + n * check_bytes / gpu.achievable + host_s
+    return n * (nbytes + check_bytes) / gpu.achievable / step
+
+
+def host_seconds(size: str, repeats: int = 20) -> dict[str, float]:
+    """Host time of one default step (``nonfinite="skip"``: verdict on the device) and one
+    planned ``nonfinite="ignore"`` step of ``plus`` over ``size``'s tensors (shapes kept,
+    4 elements each, so that no data work is timed), on this machine's CPU with the Triton
+    launches stubbed: the Python and the small torch operations a GPU's host would run."""
+    import os  # noqa: PLC0415 - the interpreter flag, read when the path is chosen
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+              for _ in gpt_shapes(size)]
+    saved = launches.launch
+    launches.launch = lambda *args, **kwargs: None
+    try:
+        out = {}
+        for policy in ("skip", "ignore"):
+            opt = collage.AdamW(params, lr=1e-4, strategy="plus", fused="triton",
+                                nonfinite=policy)
+            times = []
+            for _ in range(repeats):
+                for p in params:
+                    p.grad = torch.ones_like(p)
+                start = time.perf_counter()
+                opt.step()
+                times.append(time.perf_counter() - start)
+            out[policy] = sorted(times[2:])[len(times[2:]) // 2]
+        return out
+    finally:
+        launches.launch = saved
+
+
+@dataclass
+class Row:
+    arch: int
+    rule: str
+    strategy: str
+    configuration: str
+    variant: str
+    registers: int
+    spills: int
+    instructions_per_element: float
+    sass_memory_ops: dict
+    bytes_per_element: int
+    overlapped: bool
+    predicted_1b: float
+    predicted_100m: float
+    predicted_1b_no_overlap: float
+
+
+def model_rows(archs: list[int], revision: str | None, host: dict[str, float] | None,
+               default_only: bool = False) -> list[Row]:
+    module = kernels_at(revision)
+    function = module.multi_tensor_step
+    rows = []
+    elements_per_thread = launches.GPU_BLOCK / (32 * launches.GPU_WARPS)
+    n_1b = sum(torch.Size(s).numel() for _, s in gpt_shapes("1b"))
+    n_100m = sum(torch.Size(s).numel() for _, s in gpt_shapes("100m"))
+    for arch in archs:
+        gpu = GPUS[arch]
+        for spec in variants(default_only):
+            sass = read_sass(compile_variant(function, spec["flags"], arch))
+            opcodes = fast_path(sass)
+            looped = len(opcodes) < len(sass.instructions) and "tiles" in function.arg_names
+            per_element = len(opcodes) / elements_per_thread
+            default = spec["configuration"] == "default"
+            check = spec["grad_bytes"] if default else 0.0
+            host_s = (host or {}).get("skip" if default else "ignore", 0.0)
+            nbytes = spec["bytes_per_element"]
+            rows.append(Row(
+                arch, spec["rule"], spec["strategy"], spec["configuration"], spec["variant"],
+                sass.registers, sass.local_bytes + sum(o.startswith(("LDL", "STL"))
+                                                       for o in opcodes),
+                round(per_element, 2), memory_ops(opcodes), nbytes, looped,
+                round(predict(gpu, n_1b, nbytes, per_element, looped, check), 3),
+                round(predict(gpu, n_100m, nbytes, per_element, looped, check, host_s), 3),
+                round(predict(gpu, n_1b, nbytes, per_element, False, check), 3)))
+        for name, function_, signature, nbytes in calibration_kernels():
+            sass = read_sass(_compile_plain(function_, signature, arch))
+            opcodes = fast_path(sass)
+            per_element = len(opcodes) / elements_per_thread
+            rows.append(Row(arch, "-", name, "calibration", "copy" if name == "copy"
+                            else "whole", sass.registers, sass.local_bytes,
+                            round(per_element, 2), memory_ops(opcodes), nbytes, False,
+                            round(predict(gpu, n_1b, nbytes, per_element, False), 3),
+                            round(predict(gpu, n_100m, nbytes, per_element, False), 3),
+                            round(predict(gpu, n_1b, nbytes, per_element, False), 3)))
+    return rows
+
+
+def markdown(rows: list[Row], host: dict[str, float] | None) -> str:
+    lines = []
+    if host:
+        lines.append(f"Host time per step (this CPU, launches stubbed, 148 tensors): default "
+                     f"{1e3 * host['skip']:.3f} ms, `nonfinite=\"ignore\"` (planned) "
+                     f"{1e3 * host['ignore']:.3f} ms.\n")
+    lines += ["| sm | rule | strategy | config | variant | regs | spills | instr/elem | "
+              "memory ops per tile | B/elem | overlap | 1B | 100M | 1B, no overlap |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ops = ", ".join(f"{k} x{v}" for k, v in r.sass_memory_ops.items())
+        lines.append(f"| {r.arch} | {r.rule} | {r.strategy} | {r.configuration} | {r.variant} "
+                     f"| {r.registers} | {r.spills} | {r.instructions_per_element:.1f} | {ops} "
+                     f"| {r.bytes_per_element} | {'yes' if r.overlapped else 'no'} "
+                     f"| {100 * r.predicted_1b:.0f} % | {100 * r.predicted_100m:.0f} % "
+                     f"| {100 * r.predicted_1b_no_overlap:.0f} % |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default="90,80", help="comma-separated: 90, 80")
+    parser.add_argument("--revision", default=None,
+                        help="compile kernels.py as it was at this git revision")
+    parser.add_argument("--json", action="store_true", help="a JSON list, one object a row")
+    parser.add_argument("--no-host", action="store_true", help="leave the host time out")
+    parser.add_argument("--default-only", action="store_true",
+                        help="only the default configuration's variants")
+    args = parser.parse_args(argv)
+    if not tools_available():
+        print("gpu_model: Triton's NVIDIA backend (nvdisasm, cuobjdump) is not installed",
+              file=sys.stderr)
+        return 2
+    host = None if args.no_host or args.revision else host_seconds("100m")
+    rows = model_rows([int(a) for a in args.arch.split(",")], args.revision, host,
+                      args.default_only)
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=1))
+    else:
+        print(markdown(rows, host))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
