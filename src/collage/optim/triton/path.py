@@ -100,9 +100,9 @@ def step_triton(group: GroupStep, entries: list[Entry]) -> None:
                 f"Triton kernels (not contiguous, not on {device}, a shard that is not one "
                 "flat range, or a dtype they do not read); the eager kernel it would need "
                 "synchronises with the device")
-        _step_on_device(group, fit, found)
+        _step_on_device(group, fit, found, whole_group=True)
     elif found is not None:
-        _step_on_device(group, fit, found)
+        _step_on_device(group, fit, found, whole_group=not rest)
         # the eager kernel cannot read the verdict on the device: the host reads it (rare
         # layouts only: a view that is not contiguous, a shard that is not one flat range)
         if rest and bool(found.item()):
@@ -183,12 +183,10 @@ def _step(group: GroupStep, entries: list[Entry], whole_group: bool) -> None:
 
 def planned(group: GroupStep) -> list[int] | None:
     """The gradients' addresses for the plan the group's last Triton step left, if it
-    still describes the group (``TritonPlan.ready``) and the step's counters are the
-    host's (no verdict left on the device); else None, the plan dropped."""
+    still describes the group (``TritonPlan.ready``: also its counters' place, the host's
+    or the device's); else None, the plan dropped."""
     plan = group.cache.get(_PLAN)
-    grads = None
-    if plan is not None and group.found_nonfinite is None:
-        grads = plan.ready(group)
+    grads = None if plan is None else plan.ready(group)
     if grads is None:
         group.cache.pop(_PLAN, None)
     return grads
@@ -200,8 +198,8 @@ def step_planned(group: GroupStep, grads: list[int]) -> bool:
     return True
 
 
-def _step_on_device(group: GroupStep, entries: list[Entry],
-                    found: torch.Tensor | None) -> None:
+def _step_on_device(group: GroupStep, entries: list[Entry], found: torch.Tensor | None,
+                    whole_group: bool) -> None:
     """Counters on the device: one launch per weight dtype, each row's coefficients
     computed there from its counter. ``found``: the device's non-finite verdict; where it
     is set the counters stay (advanced by ``1 - found``) and the kernels write nothing."""
@@ -216,15 +214,23 @@ def _step_on_device(group: GroupStep, entries: list[Entry],
             entry.state["step"] = torch.full((), float(counter), dtype=torch.float32,
                                              device=device)
     counters = [e.state["step"] for e in entries]
-    torch._foreach_add_(counters, 1.0 if found is None else 1.0 - found.to(device))
+    launches.advance_counters(counters, found)
     buckets: dict[tuple, list[Entry]] = {}
     for entry in entries:
         buckets.setdefault((entry.param.dtype, _aligned(entry)), []).append(entry)
     scale = launches.grad_scale(group, device)
+    done: list[Bucket] = []
     for (dtype, aligned), bucket in buckets.items():
+        members = [i for i, e in enumerate(entries) if (e.param.dtype, _aligned(e)) ==
+                   (dtype, aligned)]
         key = (dtype, aligned, tuple(e.item.position for e in bucket), "capturable")
         launch = _launch_of(group, key, bucket, capturable=True)
         coefficients = launches.device_coefficients(group, [e.state["step"] for e in bucket])
         flags = launches.kernel_flags(group, dtype, launches.capturable_decays(group), True,
                                       _interpreted(device), skippable=found is not None)
         launches.launch(launch, flags, [0.0] * layout.NCOEF, 0, coefficients, scale, found)
+        done.append((launch, members, dtype))
+    if whole_group:
+        plan = TritonPlan.build(group, entries, done, on_device=True)
+        if plan is not None:
+            group.cache[_PLAN] = plan

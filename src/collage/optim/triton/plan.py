@@ -19,8 +19,10 @@ only what can change between steps:
 The gradients' addresses are then read, the counters advanced by one ``_foreach_add_`` and
 the launches run with the coefficients of the plan's next step: the general path's launches,
 so the results are bit for bit the same (``tests/optim/test_triton.py``). Plans are made for
-unmeasured, non-capturable steps of plain tensors whose counters are float32 on the host,
-all at one step value below 2**24.
+unmeasured steps of plain tensors whose counters are float32 scalars: on the host, all at
+one step value below 2**24; or, ``on_device`` (capturable, or the non-finite verdict left on
+the device: the default), on the parameters' device, advanced there by ``1 - verdict`` and
+the coefficients computed there (``path._step_on_device``'s launches).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ import torch
 
 from ..group import Entry, GroupStep
 from . import launch as launches
+from . import layout
 
-__all__ = ["Bucket", "TritonPlan"]
+__all__ = ["Bucket", "TritonPlan", "on_device"]
 
 # float32 step counters count exactly up to 2**24 (then + 1 rounds back to itself)
 _MAX_STEP = 2**24
@@ -53,19 +56,20 @@ class TritonPlan:
     :meth:`step` runs."""
 
     __slots__ = ("flags", "params", "states", "keys", "pointers", "counters", "versions",
-                 "device", "buckets", "aligned", "step_value")
+                 "device", "buckets", "aligned", "step_value", "on_device")
 
     @classmethod
-    def build(cls, group: GroupStep, entries: list[Entry], buckets: list[Bucket]
-              ) -> TritonPlan | None:
+    def build(cls, group: GroupStep, entries: list[Entry], buckets: list[Bucket],
+              on_device: bool = False) -> TritonPlan | None:
         """A plan from the entries just stepped (every parameter of the group with a
         gradient) by ``buckets``, or None where the fast path does not apply."""
         if not entries or len(entries) != len(group.items) or group.stats is not None:
             return None
         first = entries[0]
-        if not all(_plannable(entry, first) for entry in entries):
+        if not all(_plannable(entry, first, on_device) for entry in entries):
             return None
         plan = cls()
+        plan.on_device = on_device
         plan.flags = _flags(group)
         plan.params = [entry.item.param for entry in entries]
         plan.states = [entry.state for entry in entries]
@@ -89,6 +93,8 @@ class TritonPlan:
         module docstring), else None. Changes nothing."""
         items = group.items
         if len(items) != len(self.params) or self.step_value + 1 >= _MAX_STEP:
+            return None
+        if self.on_device != on_device(group):
             return None
         if _flags(group) != self.flags:
             return None
@@ -115,6 +121,9 @@ class TritonPlan:
 
     def step(self, group: GroupStep, grads: list[int]) -> None:
         """Step the group with the gradients' addresses :meth:`ready` returned."""
+        if self.on_device:
+            self._step_on_device(group, grads)
+            return
         torch._foreach_add_(self.counters, 1.0)
         self.versions = [counter._version for counter in self.counters]
         step = self.step_value + 1
@@ -128,12 +137,39 @@ class TritonPlan:
             launches.launch(launch, flags, arguments, step, None, scale)
         self.step_value = step
 
+    def _step_on_device(self, group: GroupStep, grads: list[int]) -> None:
+        """The counters advanced on the device by ``1 - verdict``, each bucket's
+        coefficients computed there, the kernels told the verdict."""
+        found = group.found_nonfinite
+        launches.advance_counters(self.counters, found)
+        self.versions = [counter._version for counter in self.counters]
+        scale = launches.grad_scale(group, self.device)
+        decays = launches.capturable_decays(group)
+        for launch, members, dtype in self.buckets:
+            launches.refresh_grads(launch, [grads[i] for i in members])
+            coefficients = launches.device_coefficients(group,
+                                                        [self.counters[i] for i in members])
+            flags = launches.kernel_flags(group, dtype, decays, True,
+                                          self.device.type == "cpu",
+                                          skippable=found is not None)
+            launches.launch(launch, flags, [0.0] * layout.NCOEF, 0, coefficients, scale,
+                            found)
 
-def _plannable(entry: Entry, first: Entry) -> bool:
+
+def on_device(group: GroupStep) -> bool:
+    """Whether the group's step keeps its counters on the device: capturable, or the
+    non-finite verdict left there."""
+    return bool(group.hyper.get("capturable", False)) or group.found_nonfinite is not None
+
+
+def _plannable(entry: Entry, first: Entry, device_counters: bool) -> bool:
     """Whether ``entry`` can be stepped by a plan whose first entry is ``first``."""
     counter = entry.state.get("step")
-    return (entry.item.param is entry.param and entry.offset == 0
-            and entry.step == first.step and entry.step < _MAX_STEP
-            and tuple(entry.tensors) == tuple(first.tensors) and counter is not None
-            and counter.dtype == torch.float32 and counter.device.type == "cpu"
-            and counter.numel() == 1)
+    if counter is None or counter.dtype != torch.float32 or counter.numel() != 1:
+        return False
+    if device_counters:
+        where = counter.device == entry.param.device
+    else:
+        where = counter.device.type == "cpu" and entry.step == first.step < _MAX_STEP
+    return (where and entry.item.param is entry.param and entry.offset == 0
+            and tuple(entry.tensors) == tuple(first.tensors))
