@@ -13,6 +13,7 @@ or table that goes stale fails CI (issue #25).
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 import subprocess
@@ -127,6 +128,8 @@ def test_fp32_reference_is_the_research_form_not_torch_adamw():
 
 def test_fp32_sgd_reference_forms_the_update_before_the_add():
     """docs/strategies.md: SGD's reference path is ``w + fl(grad * -lr)`` (torch fuses)."""
+    text = " ".join((ROOT / "docs" / "strategies.md").read_text().split())
+    assert "SGD's update is formed as `grad * -lr` before the add" in text
     g = torch.Generator().manual_seed(4)
     w0, grads = torch.randn(4096, generator=g), [torch.randn(4096, generator=g)]
     ours = _fp32_run(lambda p: collage.SGD(p, lr=0.05, strategy="fp32", reference=True),
@@ -221,7 +224,8 @@ def _worst_second_moment_error(strategy: str, flags: dict, steps: int = 1000) ->
 
 def test_pair_second_moment_tracking_per_path():
     """README and docs/strategies.md: ``plus``/``split`` track v within 0.01 % on the default
-    and foreach paths and within 0.06 % (not 0.01 %) on the reference path, at every step to t = 1000."""
+    and foreach paths and within 0.06 % (not 0.01 %) on the reference path, at every step
+    to t = 1000."""
     readme = " ".join((ROOT / "README.md").read_text().split())
     text = (ROOT / "docs" / "strategies.md").read_text()
     flat = " ".join(text.split())
@@ -273,3 +277,40 @@ def test_study_page_knows_feedback_is_registered():
     assert "feedback" in collage.STRATEGIES
     assert "not registered yet" not in text
     assert "runs once `collage.STRATEGIES` registers it" not in text
+
+
+# ---------------------------------------------------------------------------------------
+# issue #30: docs/security.md lists every deserialization and native load in src/
+
+#: calls that load a file's bytes as objects or code: (module as written, function)
+LOADERS = {("torch", "load"), ("pickle", "load"), ("pickle", "loads"), ("np", "load"),
+           ("numpy", "load"), ("ctypes", "CDLL"), ("marshal", "load"), ("marshal", "loads")}
+NUMBERS = {1: "once", 2: "twice", 3: "three times", 4: "four times", 5: "five times"}
+
+
+def _loader_calls() -> dict[str, list[str]]:
+    """Every call of a LOADERS function in src/, by file (``collage/...py``); parsed, so
+    comments and docstrings do not count."""
+    found: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "src").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name)
+                    and (node.func.value.id, node.func.attr) in LOADERS):
+                name = str(path.relative_to(ROOT / "src"))
+                found.setdefault(name, []).append(f"{node.func.value.id}.{node.func.attr}")
+    return found
+
+
+def test_security_page_lists_every_load_of_a_file():
+    text = " ".join((ROOT / "docs" / "security.md").read_text().split())
+    calls = _loader_calls()
+    assert "collage/train/bpe.py" in calls  # the scan sees the known ones
+    for name in calls:
+        assert f"`{name}`" in text, f"docs/security.md does not name {name} ({calls[name]})"
+    torch_loads = sum(kinds.count("torch.load") for kinds in calls.values())
+    assert f"`src/` calls `torch.load` {NUMBERS[torch_loads]}" in text
+    assert not any(k.startswith(("pickle", "np", "numpy", "marshal"))
+                   for kinds in calls.values() for k in kinds), calls
+    assert "collage/train/runner.py`, `load_checkpoint`" not in text
+    assert "| BPE token ids" in text

@@ -25,7 +25,8 @@ from pathlib import Path
 ABORT_SIGNATURE = "terminate called without an active exception"
 
 
-def rank_main(rank: int, store: str, checkpoint: str, optimizer_name: str) -> None:
+def rank_main(rank: int, store: str, checkpoint: str, optimizer_name: str,
+              threads: int) -> None:
     """One rank: train, save, load into a fresh model, train on, tear down."""
     import torch
     import torch.distributed as dist
@@ -36,7 +37,7 @@ def rank_main(rank: int, store: str, checkpoint: str, optimizer_name: str) -> No
 
     import collage
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
 
@@ -78,15 +79,15 @@ def rank_main(rank: int, store: str, checkpoint: str, optimizer_name: str) -> No
     print(f"rank {rank}: done", flush=True)
 
 
-def one_run(optimizer_name: str, timeout: float) -> tuple[list[int], list[str]]:
+def one_run(optimizer_name: str, threads: int, timeout: float) -> tuple[list[int], list[str]]:
     """Both ranks' exit codes and outputs."""
     with tempfile.TemporaryDirectory() as folder:
         store, checkpoint = os.path.join(folder, "store"), os.path.join(folder, "ckpt")
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(rank), "--store",
-                                   store, "--checkpoint", checkpoint, "--optimizer",
-                                   optimizer_name], env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
+        command = [sys.executable, __file__, "--store", store, "--checkpoint", checkpoint,
+                   "--optimizer", optimizer_name, "--threads", str(threads)]
+        procs = [subprocess.Popen([*command, "--rank", str(rank)], env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                  for rank in range(2)]
         outputs = []
         for proc in procs:
@@ -102,17 +103,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--optimizer", choices=("collage", "torch"), default="collage")
     parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op (and OpenMP) threads per rank")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank is not None:
-        rank_main(args.rank, args.store, args.checkpoint, args.optimizer)
+        rank_main(args.rank, args.store, args.checkpoint, args.optimizer, args.threads)
         return 0
     aborts = 0
     for run in range(args.runs):
-        codes, outputs = one_run(args.optimizer, args.timeout)
+        codes, outputs = one_run(args.optimizer, args.threads, args.timeout)
         aborted = [r for r, out in enumerate(outputs) if ABORT_SIGNATURE in out]
         aborts += bool(aborted)
         print(f"run {run}: exit codes {codes}, abort in ranks {aborted}", flush=True)

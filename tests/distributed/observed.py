@@ -32,8 +32,8 @@ import _common as C  # noqa: E402
 DOC = Path(__file__).resolve().parents[2] / "docs" / "distributed.md"
 BEGIN = "<!-- observed table: python tests/distributed/observed.py --write -->"
 END = "<!-- end of the observed table -->"
-HEADER = ("| strategy | max \\|Δw\\| | bound | elements that differ | \\|Δ loss\\| max over steps |\n"
-          "|---|---|---|---|---|")
+HEADER = ("| strategy | max \\|Δw\\| | bound | elements that differ "
+          "| \\|Δ loss\\| max over steps |\n|---|---|---|---|---|")
 
 
 @contextlib.contextmanager
