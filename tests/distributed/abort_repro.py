@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 ABORT_SIGNATURE = "terminate called without an active exception"
 
