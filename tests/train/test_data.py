@@ -164,7 +164,7 @@ def test_bpe_tokenizer_is_trained_on_the_training_side_and_cached(tmp_path, monk
     assert corpus.vocab_size == vocab_size(cfg) == 1000
     assert corpus.train.dtype == torch.int16 and 256 <= int(corpus.train.max()) < 1000
     assert len(raw.train) / len(corpus.train) > 2  # merges make tokens of several bytes
-    (entry,) = [torch.load(p, weights_only=True) for p in (tmp_path / "tokens").iterdir()]
+    (entry,) = [torch.load(p, weights_only=True) for p in (tmp_path / "tokens").glob("*.pt")]
     tokenizer = tokenizers.Tokenizer.from_str(entry["tokenizer"])
     for ids, text in ((corpus.train, raw.train), (corpus.val, raw.val)):
         original = text.numpy().tobytes().decode("utf-8", "replace")

@@ -59,7 +59,10 @@ def consolidate(model: torch.nn.Module, optimizer: CollageOptimizer) -> dict[str
 @torch.no_grad()
 def load_full_precision(model: torch.nn.Module, optimizer: CollageOptimizer,
                         state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
-    """Set every parameter, and its compensation, from full-precision values exactly.
+    """Set every parameter, and its compensation, from full-precision values as closely as
+    the strategy holds them: exactly for ``fp32``, ``mixed`` and ``split`` (float32 values),
+    within 2^-16 relative for a bf16 pair (``plus``, ``light``, ``kahan``, ``plus8``), within
+    2^-8 for a lone bf16 weight (docs/strategies.md, "Interactions").
 
     The inverse of :func:`consolidate`: an MCF pair gets ``split(value, dtype, 2)``, a master
     gets the value, split gets the float32 value's two halves, kahan gets the rounding residue.

@@ -12,18 +12,37 @@ the tokenizer and the token ids are cached under ``$COLLAGE_CACHE_DIR/tokens`` (
 ``~/.cache/collage/tokens``), keyed by a SHA-256 of the training text, the vocabulary
 size and the ``tokenizers`` version. A cache entry that does not load, or that holds
 another key, is rebuilt.
+
+An entry swapped by someone else would silently swap the training data, so the cache follows
+the native library's rule (``docs/security.md``; the checks are
+``collage/optim/native/cache.py``'s, imported, not copied):
+
+* the directory is created with mode 0700 and used only if it is a real directory that we
+  own and that neither group nor others can write, nor any directory above it unless
+  sticky; otherwise one warning, and the ids are computed in memory, nothing read or
+  written;
+* an entry and its SHA-256 record (``<entry>.sha256``) must be regular files that we own and
+  that neither group nor others can write; otherwise one warning and no caching for that
+  key (the files are left alone);
+* an entry is loaded only if its bytes have the SHA-256 recorded when it was written (hashed
+  and loaded from the same bytes, so nothing can change between the two): a mismatch is a
+  rebuild with one warning, a missing record (an entry from before records) a silent one.
+  Entries are written under temporary names with mode 0600 and renamed, the record first.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
 from ..errors import UsageError
-from .checkpoint import save_atomic
+from ..optim.native.cache import (_make_private_dir, _not_private_file, _record_of, _warn_once,
+                                  install, new_file)
 
 __all__ = ["bpe_encode", "cache_dir"]
 
@@ -91,27 +110,82 @@ def _key(train: bytes, val: bytes, vocab_size: int) -> str:
     return h.hexdigest()
 
 
-def _cached(path: str, key: str) -> dict | None:
-    """The cache entry at ``path`` if it loads and holds ``key``; None otherwise."""
+def _private_dir() -> Path | None:
+    """:func:`cache_dir`, created 0700, if no one else can write it; else None (one
+    warning naming it and why)."""
+    path = Path(cache_dir())
     try:
-        entry = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # missing, truncated, foreign: rebuild
+        reason = _make_private_dir(path)
+    except OSError as error:
+        reason = f"{path} cannot be created ({error.strerror})"
+    if reason is None:
+        return path
+    _warn_once(f"not caching BPE token ids in {path}: {reason}; tokenizing without the "
+               "cache instead (to cache again, fix that, e.g. chmod 700, or set "
+               "COLLAGE_CACHE_DIR to a private directory)")
+    return None
+
+
+def _ours(path: Path) -> bool:
+    """Whether the entry ``path`` and its record, where they exist, are files no one else can
+    write (else one warning: they are left alone and not used)."""
+    for file in (path, _record_of(path)):
+        reason = _not_private_file(file)
+        if reason is not None:
+            _warn_once(f"not loading the BPE token cache {path}: {reason}; tokenizing without "
+                       "the cache instead (remove the file to cache again)")
+            return False
+    return True
+
+
+def _cached(path: Path, key: str) -> dict | None:
+    """The cache entry at ``path`` if its bytes have the recorded SHA-256, it loads and it
+    holds ``key``; None otherwise (a digest mismatch warns once)."""
+    try:
+        recorded = _record_of(path).read_text().strip()
+        data = path.read_bytes()
+    except FileNotFoundError:  # no entry, or one written before records: rebuilt silently
+        return None
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != recorded:
+        _warn_once(f"rebuilding the BPE token cache {path}: its SHA-256 {actual[:12]}... is "
+                   f"not the {recorded[:12]}... recorded when it was written")
+        return None
+    try:  # the bytes just hashed: nothing can change between the check and the load
+        entry = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception:  # truncated, foreign: rebuild
         return None
     return entry if isinstance(entry, dict) and entry.get("key") == key else None
+
+
+def _store(entry: dict, path: Path) -> None:
+    """Write ``entry`` to a new 0600 file beside ``path``, record its SHA-256, rename."""
+    built = new_file(path.parent)
+    try:
+        with open(built, "wb") as handle:
+            torch.save(entry, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        install(built, path)
+    finally:
+        if built.exists():
+            built.unlink()
 
 
 def bpe_encode(train: bytes, val: bytes, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(train ids, val ids, vocabulary size learned)``: a tokenizer trained on ``train``
     encodes both sides; cached (see the module's docstring)."""
     key = _key(train, val, vocab_size)
-    path = os.path.join(cache_dir(), f"bpe-{key[:24]}.pt")
-    entry = _cached(path, key)
+    directory = _private_dir()
+    path = directory / f"bpe-{key[:24]}.pt" if directory is not None else None
+    cacheable = path is not None and _ours(path)
+    entry = _cached(path, key) if cacheable else None
     if entry is None:
         tokenizer = _train(train, vocab_size)
         entry = {"key": key, "vocab": tokenizer.get_vocab_size(),
                  "tokenizer": tokenizer.to_str(),
                  "train": _encode(tokenizer, train, vocab_size),
                  "val": _encode(tokenizer, val, vocab_size)}
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        save_atomic(entry, path)
+        if cacheable:
+            _store(entry, path)
     return entry["train"], entry["val"], int(entry["vocab"])
