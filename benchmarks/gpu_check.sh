@@ -6,8 +6,11 @@
 #      fused AdamW on fp32 and bf16 weights, optimi and torchao where installed,
 #   4. `collage bench train --device cuda` on a ~125M-parameter GPT (GPT-2 small's width and
 #      heads, 18 layers: the byte-level vocabulary has no 38M-parameter embedding),
-#   5. read the goals off the results (benchmarks/gpu_goals.py),
-# writing JSON and markdown under OUT (8 files: what a device run brings back).
+#   5. the model's prediction for the same kernels (benchmarks/gpu_model.py: compiled for the
+#      GPU's architecture, read off the SASS),
+#   6. read the goals off the results (benchmarks/gpu_goals.py), the model's prediction
+#      beside each measurement,
+# writing JSON and markdown under OUT (9 files: what a device run brings back).
 #
 # Usage: benchmarks/gpu_check.sh [--dry-run] OUT
 #   --dry-run   print the commands, run nothing (no GPU needed)
@@ -43,9 +46,10 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 # per-stage limits (seconds): 450 s in all, 30 s of the 8 minutes left for slack
 install_timeout=${INSTALL_TIMEOUT:-45}
-tests_timeout=${TESTS_TIMEOUT:-140}
+tests_timeout=${TESTS_TIMEOUT:-125}
 optimizer_timeout=${OPTIMIZER_TIMEOUT:-140}
-train_timeout=${TRAIN_TIMEOUT:-110}
+train_timeout=${TRAIN_TIMEOUT:-100}
+model_timeout=${MODEL_TIMEOUT:-25}
 goals_timeout=15
 
 # the test selection: the CUDA matrix and the interpreter tests, nothing else
@@ -70,6 +74,8 @@ stage bench_optimizer "$optimizer_timeout" \
     "TRITON_CACHE_DIR=\$(mktemp -d) $python -m collage bench optimizer --device cuda --size $sizes --paths fused --baselines $baselines --repeats 5 --warmup 2 --min-time 0.3 --json --quiet --markdown $out/bench_optimizer.md > $out/bench_optimizer.json"
 stage bench_train "$train_timeout" \
     "$python -m collage bench train --device cuda $gpt --modes autocast,plus,light,mixed --rounds 1 --steps 10 --warmup 3 --json --quiet --markdown $out/bench_train.md > $out/bench_train.json"
+stage model "$model_timeout" \
+    "$python benchmarks/gpu_model.py --arch auto --default-only --rules adamw --json > $out/gpu_model.json"
 stage goals "$goals_timeout" \
     "$python benchmarks/gpu_goals.py $out > $out/goals.md"
 

@@ -3,7 +3,9 @@
 Usage: ``python benchmarks/gpu_goals.py OUT`` prints a markdown table of each goal, the
 value measured and whether it holds; a goal whose result file is missing or lacks the row
 is "not measured", never estimated. Reads ``OUT/bench_optimizer.json`` and
-``OUT/bench_train.json``.
+``OUT/bench_train.json``; beside each step-speed and roofline goal, the model's prediction
+for the same kernels (``OUT/gpu_model.json``, ``benchmarks/gpu_model.py``), so that a run
+recalibrates the model ("not modelled" where that file is missing).
 """
 
 from __future__ import annotations
@@ -47,20 +49,56 @@ def _goal(name: str, value: float | None, target: float, at_least: bool,
     return {"goal": name, "value": value, "target": target, "holds": holds, "unit": unit}
 
 
-def goals(optimizer: dict | None, train: dict | None) -> list[dict]:
-    """Each goal with its measured value (the worst over the sizes it applies to)."""
+def _modelled(model: list[dict] | None, strategy: str) -> dict | None:
+    """The model's row of ``strategy``'s AdamW whole-block kernel in the default
+    configuration."""
+    for row in model or []:
+        if (row.get("rule"), row.get("strategy"), row.get("configuration"),
+                row.get("variant")) == ("adamw", strategy, "default", "whole"):
+            return row
+    return None
+
+
+def _torch_modelled(model: list[dict] | None) -> dict | None:
+    """The calibration row standing for torch's fused AdamW (float32, IEEE sqrt/div)."""
+    return next((r for r in model or [] if r.get("strategy") == "plain fp32 AdamW"), None)
+
+
+def predicted_fraction(model: list[dict] | None, strategy: str) -> float | None:
+    """The model's fraction of the bandwidth, the worse of 100M and 1B."""
+    row = _modelled(model, strategy)
+    return None if row is None else min(row["predicted_100m"], row["predicted_1b"])
+
+
+def predicted_speedup(model: list[dict] | None, strategy: str) -> float | None:
+    """The model's speed-up over torch's fused AdamW on fp32 weights: the time per element
+    is bytes / fraction, torch's from the calibration kernel (28 bytes), the worse size."""
+    ours, torch_row = _modelled(model, strategy), _torch_modelled(model)
+    if ours is None or torch_row is None:
+        return None
+    torch_time = torch_row["bytes_per_element"] / torch_row["predicted_1b"]
+    return min(torch_time * ours[key] / ours["bytes_per_element"]
+               for key in ("predicted_100m", "predicted_1b"))
+
+
+def goals(optimizer: dict | None, train: dict | None,
+          model: list[dict] | None = None) -> list[dict]:
+    """Each goal with its measured value (the worst over the sizes it applies to) and, for
+    the step's, the model's prediction."""
     out = []
     large = _fused_rows(optimizer, LARGE)
     for strategy, target in SPEEDUPS:
         values = [r["speedup_vs_torch_fused"] for r in large if r["strategy"] == strategy]
         out.append(_goal(f"{strategy} step speed vs torch fused AdamW fp32 (100M+)",
                          min(values) if values else None, target, True, "x"))
+        out[-1]["predicted"] = predicted_speedup(model, strategy)
     by_strategy: dict[str, list[float]] = {}
     for row in large:
         by_strategy.setdefault(row["strategy"], []).append(row["roofline_fraction"])
     for strategy, fractions in by_strategy.items():
         out.append(_goal(f"{strategy} fraction of the HBM roofline (100M+)", min(fractions),
                          ROOFLINE, True))
+        out[-1]["predicted"] = predicted_fraction(model, strategy)
     if not by_strategy:
         out.append(_goal("every strategy's fraction of the HBM roofline (100M+)", None,
                          ROOFLINE, True))
@@ -77,8 +115,9 @@ def goals(optimizer: dict | None, train: dict | None) -> list[dict]:
 
 
 def markdown(rows: list[dict], where: str) -> str:
-    lines = [f"# GPU goals ({where})", "", "| goal | measured | target | holds |",
-             "|---|---:|---:|---|"]
+    lines = [f"# GPU goals ({where})", "",
+             "| goal | measured | model (benchmarks/gpu_model.py) | target | holds |",
+             "|---|---:|---:|---:|---|"]
     for row in rows:
         if row["value"] is None:
             measured, holds = "not measured", "not measured"
@@ -86,7 +125,14 @@ def markdown(rows: list[dict], where: str) -> str:
             measured = f"{row['value']:.3g}{row.get('unit', '')}"
             holds = "yes" if row["holds"] else "**no**"
         sign = ">=" if "memory" not in row["goal"] and "first step" not in row["goal"] else "<="
-        lines.append(f"| {row['goal']} | {measured} | {sign} {row['target']:g} | {holds} |")
+        if "predicted" not in row:
+            model = "-"
+        elif row["predicted"] is None:
+            model = "not modelled"
+        else:
+            model = f"{row['predicted']:.3g}{row.get('unit', '')}"
+        lines.append(f"| {row['goal']} | {measured} | {model} | {sign} {row['target']:g} "
+                     f"| {holds} |")
     return "\n".join(lines) + "\n"
 
 
@@ -97,8 +143,9 @@ def main(argv: list[str]) -> int:
     out = Path(argv[0])
     optimizer = _load(out / "bench_optimizer.json")
     train = _load(out / "bench_train.json")
+    model = _load(out / "gpu_model.json")
     where = (optimizer or train or {}).get("environment", {}).get("gpu", "no GPU result")
-    print(markdown(goals(optimizer, train), where), end="")
+    print(markdown(goals(optimizer, train, model), where), end="")
     return 0
 
 

@@ -247,15 +247,21 @@ def _hyper(rule) -> dict:
             "sgd": {"decays": False, "momentum": True}}[rule.name]
 
 
-def variants(default_only: bool = False) -> list[dict]:
+def variants(default_only: bool = False, rules: tuple[str, ...] | None = None,
+             strategies: tuple[str, ...] | None = None) -> list[dict]:
     """Every (rule, strategy, launch) the launcher compiles for a model's step: the default
-    configuration (``default``: verdict on the device, counters there) and ``ignore``."""
+    configuration (``default``: verdict on the device, counters there) and ``ignore``;
+    only ``rules`` and ``strategies`` where given."""
     out = []
     for rule_name in layout.RULE_CODES:
         rule = RULES[rule_name]
+        if rules is not None and rule_name not in rules:
+            continue
         for name in collage.STRATEGIES:
             strategy = get_strategy(name)
             if strategy.native_code not in layout.LANDINGS:
+                continue
+            if strategies is not None and name not in strategies:
                 continue
             dtype = strategy.weight_dtypes[0]
             configurations = {"default": {"capturable": True, "skippable": True},
@@ -284,7 +290,11 @@ def calibration_kernels() -> list[tuple[str, object, dict, int]]:
     """(name, jit function, signature, bytes per element): a float32 copy and a plain
     float32 AdamW with IEEE square root and division (torch's fused AdamW's arithmetic)."""
     triton, tl = launches.triton, launches.triton.language
+    with launches._mode(False):  # compiled, whatever TRITON_INTERPRET says
+        return _calibration_kernels(triton, tl)
 
+
+def _calibration_kernels(triton, tl) -> list[tuple[str, object, dict, int]]:
     @triton.jit
     def copy(src, dst, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -350,7 +360,8 @@ def host_seconds(size: str, repeats: int = 20) -> dict[str, float]:
     tensor, which a GPU fuses into one launch: an upper bound)."""
     import os  # noqa: PLC0415 - the interpreter flag, read when the path is chosen
 
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    saved_flag = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors take the Triton path (not run)
     params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
               for _ in gpt_shapes(size)]
     saved = launches.launch, base.nonfinite_flag
@@ -372,6 +383,10 @@ def host_seconds(size: str, repeats: int = 20) -> dict[str, float]:
         return out
     finally:
         launches.launch, base.nonfinite_flag = saved
+        if saved_flag is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved_flag
 
 
 @dataclass
@@ -393,7 +408,9 @@ class Row:
 
 
 def model_rows(archs: list[int], revision: str | None, host: dict[str, float] | None,
-               default_only: bool = False) -> list[Row]:
+               default_only: bool = False, rules: tuple[str, ...] | None = None,
+               strategies: tuple[str, ...] | None = None,
+               calibration: bool = True) -> list[Row]:
     module = kernels_at(revision)
     function = module.multi_tensor_step
     rows = []
@@ -402,7 +419,7 @@ def model_rows(archs: list[int], revision: str | None, host: dict[str, float] | 
     n_100m = sum(torch.Size(s).numel() for _, s in gpt_shapes("100m"))
     for arch in archs:
         gpu = GPUS[arch]
-        for spec in variants(default_only):
+        for spec in variants(default_only, rules, strategies):
             sass = read_sass(compile_variant(function, spec["flags"], arch))
             opcodes = fast_path(sass)
             looped = len(opcodes) < len(sass.instructions) and "tiles" in function.arg_names
@@ -419,7 +436,7 @@ def model_rows(archs: list[int], revision: str | None, host: dict[str, float] | 
                 round(predict(gpu, n_1b, nbytes, per_element, looped, check), 3),
                 round(predict(gpu, n_100m, nbytes, per_element, looped, check, host_s), 3),
                 round(predict(gpu, n_1b, nbytes, per_element, False, check), 3)))
-        for name, function_, signature, nbytes in calibration_kernels():
+        for name, function_, signature, nbytes in calibration_kernels() if calibration else []:
             sass = read_sass(_compile_plain(function_, signature, arch))
             opcodes = fast_path(sass)
             per_element = len(opcodes) / elements_per_thread
@@ -451,23 +468,37 @@ def markdown(rows: list[Row], host: dict[str, float] | None) -> str:
     return "\n".join(lines)
 
 
+def _archs(text: str) -> list[int]:
+    if text == "auto":
+        major, _ = torch.cuda.get_device_capability()
+        return [90 if major >= 9 else 80]
+    return [int(a) for a in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", default="90,80", help="comma-separated: 90, 80")
+    parser.add_argument("--arch", default="90,80",
+                        help="comma-separated: 90 (H100/H200), 80 (A100); auto: this GPU's "
+                             "(9.x and later: 90, else 80)")
     parser.add_argument("--revision", default=None,
                         help="compile kernels.py as it was at this git revision")
     parser.add_argument("--json", action="store_true", help="a JSON list, one object a row")
     parser.add_argument("--no-host", action="store_true", help="leave the host time out")
     parser.add_argument("--default-only", action="store_true",
                         help="only the default configuration's variants")
+    parser.add_argument("--rules", default=None, help="comma-separated (default: all)")
+    parser.add_argument("--strategies", default=None, help="comma-separated (default: all)")
     args = parser.parse_args(argv)
     if not tools_available():
         print("gpu_model: Triton's NVIDIA backend (nvdisasm, cuobjdump) is not installed",
               file=sys.stderr)
         return 2
     host = None if args.no_host or args.revision else host_seconds("100m")
-    rows = model_rows([int(a) for a in args.arch.split(",")], args.revision, host,
-                      args.default_only)
+    def names(text: str | None) -> tuple[str, ...] | None:
+        return None if text is None else tuple(text.split(","))
+
+    rows = model_rows(_archs(args.arch), args.revision, host,
+                      args.default_only, names(args.rules), names(args.strategies))
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=1))
     else:

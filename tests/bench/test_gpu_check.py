@@ -48,10 +48,11 @@ def test_dry_run_prints_the_stages_and_runs_nothing(tmp_path):
     assert not out.exists()  # nothing ran, nothing was written
     stages = re.findall(r"^\[(\w+)\] timeout (\d+)s: (.*)$", done.stdout, re.M)
     assert [s[0] for s in stages] == ["install", "tests", "bench_optimizer", "bench_train",
-                                      "goals"]
+                                      "model", "goals"]
     assert sum(int(s[1]) for s in stages) <= 8 * 60 - 30  # 8 minutes, with slack
     commands = {name: command for name, _, command in stages}
     assert '-m "cuda or triton"' in commands["tests"]
+    assert "gpu_model.py --arch auto" in commands["model"]
     bench = commands["bench_optimizer"]
     assert "--device cuda" in bench and "--size 16m,100m,1b" in bench
     assert "torch-fused-bf16" in bench and "optimi-kahan" in bench and "torchao-sr" in bench
@@ -113,3 +114,24 @@ def test_no_results_is_not_measured(tmp_path):
     module = _goals_module()
     text = module.markdown(module.goals(None, None), "no GPU result")
     assert text.count("not measured") >= 2 * 5 and "yes" not in text
+
+
+def test_goals_print_the_model_s_prediction_beside_the_measurement(tmp_path):
+    """With ``gpu_model.json`` beside the results, each step goal gets the model's figure:
+    the fraction (the worse size) and the speed-up from bytes / fraction against the
+    calibration kernel's; without it, "not modelled"."""
+    module = _goals_module()
+    optimizer = {"sizes": [{"size": "1b", "rows": [_row("light", 1.4, 0.8, 0.1)]}]}
+    model = [{"rule": "adamw", "strategy": "light", "configuration": "default",
+              "variant": "whole", "bytes_per_element": 18, "predicted_1b": 0.9,
+              "predicted_100m": 0.6},
+             {"rule": "-", "strategy": "plain fp32 AdamW", "configuration": "calibration",
+              "variant": "whole", "bytes_per_element": 28, "predicted_1b": 0.7,
+              "predicted_100m": 0.7}]
+    found = {g["goal"]: g for g in module.goals(optimizer, None, model)}
+    assert found["light fraction of the HBM roofline (100M+)"]["predicted"] == 0.6
+    speed = found["light step speed vs torch fused AdamW fp32 (100M+)"]["predicted"]
+    assert speed == pytest.approx((28 / 0.7) / (18 / 0.6))
+    assert found["plus step speed vs torch fused AdamW fp32 (100M+)"]["predicted"] is None
+    text = module.markdown(list(found.values()), "GPU")
+    assert "not modelled" in text and "0.6 |" in text

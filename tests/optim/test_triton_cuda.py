@@ -155,12 +155,15 @@ def test_hardware_fma_is_torch_s():
     assert torch.equal(out.view(torch.int32), torch.addcmul(c, a, b).view(torch.int32))
 
 
+@pytest.mark.parametrize("nonfinite", ["skip", "ignore"])
 @pytest.mark.parametrize("capturable", [False, True])
 @pytest.mark.parametrize("strategy", ["plus", "stochastic", "mixed"])
-def test_step_never_waits_for_the_device(strategy, capturable):
+def test_step_never_waits_for_the_device(strategy, capturable, nonfinite):
+    """The default check (``skip``) too: its verdict stays on the device, a nan step among
+    them is skipped there, and ``skipped_steps`` reads the count afterwards."""
     params = _params(weight_dtype(strategy), CUDA)
     lr = torch.tensor(1e-3, device=CUDA) if capturable else 1e-3
-    opt = collage.AdamW(params, lr=lr, strategy=strategy, nonfinite="ignore",
+    opt = collage.AdamW(params, lr=lr, strategy=strategy, nonfinite=nonfinite,
                         capturable=capturable)
     for p in params:
         p.grad = torch.full_like(p, 0.01)
@@ -168,13 +171,18 @@ def test_step_never_waits_for_the_device(strategy, capturable):
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(3):
+        for step in range(4):
             opt.step()
-            for p in params:
-                p.grad = torch.full_like(p, 0.02)  # new gradients: their addresses move
+            bad = nonfinite == "skip" and step == 1
+            for p in params:  # new gradients: their addresses move
+                p.grad = torch.full_like(p, float("nan") if bad else 0.02)
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     assert opt.last_paths == {0: "triton"}
+    if nonfinite == "skip":
+        with pytest.warns(RuntimeWarning, match="skipped 1 step"):
+            assert opt.skipped_steps == 1
+        assert all(float(opt.state[p]["step"]) == 3.0 for p in params)
 
 
 def test_a_resumed_optimizer_waits_for_the_device_once():
