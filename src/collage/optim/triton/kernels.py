@@ -8,11 +8,14 @@ builtins only (``tl.full``, not ``tl.zeros_like``): the ``@jit`` helpers of
 ``triton.language.standard`` were decorated in the mode of the process's import of Triton,
 and a compiled one cannot run in the interpreted copy of this module.
 
-One launch steps many tensors. Program ``p`` reads ``blocks[p] = (row, block)`` and steps
-elements ``block * BLOCK ...`` of the tensor of ``table[row]`` (``launch.COLUMNS``: the
-addresses of its components, its size, its draws' counter). Every stored component is read
-once and written once, in its own dtype, in one pass; the gradient is read in its dtype and
-unscaled and negated in registers.
+One launch steps many tensors. Tile ``i`` is ``blocks[i] = (row, block)``: elements
+``block * BLOCK ...`` of the tensor of ``table[row]`` (``layout``: the addresses of its
+components, its size, its draws' counter). Persistent programs walk the tiles, fetching the
+next before computing the current (:func:`multi_tensor_step`). Every stored component is
+read once and written once, in its own dtype, in one pass, in 16-byte vectors where the host
+proved the alignment (:func:`_pointer`); the gradient is read in its dtype and unscaled and
+negated in registers. With ``SKIPPABLE`` the kernel reads the non-finite check's verdict on
+the device and, when it is set, writes nothing.
 
 Exact where the operations are the same (``docs/gpu.md``): each float32 operation is the
 one the eager path rounds, in its order, correctly rounded:
@@ -25,8 +28,9 @@ one the eager path rounds, in its order, correctly rounded:
   fused multiply-adds torch does compute (``lerp``, ``add(alpha=)``, ``addcmul``) are explicit
   (:func:`_fma`). The interpreter's ``tl.fma`` rounds twice (numpy ``x * y + z``), so there
   :func:`_fma` computes the correctly rounded result in float64 (``EMULATE_FMA``);
-* bf16 rounding is done on the bit pattern, nearest-even (``rounding.h``'s ``bf_round``),
-  so the interpreter and the GPU round the same way whatever their conversions do.
+* float32 -> bf16 rounds to nearest, ties to even: on a GPU by the hardware conversion
+  (``HW``), in the interpreter, whose conversion does not, on the bit pattern
+  (``rounding.h``'s ``bf_round``); NaN is stored as 0xFFFF either way (:func:`_bf16_bits`).
 """
 
 from __future__ import annotations
