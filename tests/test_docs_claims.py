@@ -6,6 +6,9 @@ or table that goes stale fails CI (issue #25).
 * the second-moment table of docs/strategies.md (``benchmarks/second_moment.py --check``);
 * the research-plus table of docs/research_plus.md (``benchmarks/research_plus.py
   --check``);
+* docs/reliability.md's drop-in table quotes the error of an invalid hyperparameter
+  passed with ``params=None`` (issue #30; the behaviours of the table's rows are tested in
+  ``tests/optim/test_drop_in.py`` and ``tests/optim/test_torch_conventions.py``);
 * ``lr = 0`` leaves every weight and compensation term bitwise unchanged:
   ``tests/reliability/test_fuzz.py::test_lr_zero_changes_no_weight`` (every rule, strategy
   and path).
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+import collage
 from collage.train.memory import bytes_per_param
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,3 +70,14 @@ def test_generated_tables_are_what_the_code_computes(script):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--check"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_reliability_quotes_the_hyperparameter_error_as_raised():
+    """The drop-in row quotes ``collage.AdamW(None, lr=-1)``'s error: it is raised, before
+    ``params`` is read, word for word."""
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    quoted = "`lr must be >= 0, got -1`"
+    assert "`collage.AdamW(None, lr=-1)`" in text and quoted in text
+    with pytest.raises(ValueError) as error:
+        collage.AdamW(None, lr=-1)
+    assert str(error.value) == quoted.strip("`")

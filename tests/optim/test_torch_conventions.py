@@ -358,8 +358,10 @@ def test_item6_a_group_popped_leaves_the_others_as_they_were():
     assert opt.state[b]["master"].dtype == torch.float32
 
 
-@pytest.mark.parametrize("change", ["reversed", "inserted ahead"])
-def test_item6_groups_reordered_or_inserted_step_as_before(change):
+@pytest.mark.parametrize("change", ["reversed", "inserted ahead", "first removed"])
+def test_item6_groups_reordered_inserted_or_removed_step_as_before(change):
+    """Each group keeps its strategy and states, each parameter its draws (the second
+    group is ``stochastic``): bit for bit the run without the change."""
     runs = []
     for changed in (False, True):
         a, b, opt = _two_groups(("plus", "stochastic"))
@@ -368,15 +370,20 @@ def test_item6_groups_reordered_or_inserted_step_as_before(change):
         if changed and change == "reversed":
             opt.param_groups.reverse()
             assert opt.last_paths == {0: paths[1], 1: paths[0]}
-        elif changed:
+        elif changed and change == "inserted ahead":
             opt.add_param_group({"params": [_param(seed=5)], "strategy": "bf16"})
             opt.param_groups.insert(0, opt.param_groups.pop())
             assert opt.last_paths == {1: paths[0], 2: paths[1]}
+        elif changed:
+            opt.param_groups.pop(0)
+            assert opt.last_paths == {0: paths[1]}
         for step in (1, 2):
             _step(opt, [a, b], step)
-        runs.append({"a": a.detach().clone(), "b": b.detach().clone()})
-        groups = {g["strategy"]: g for g in opt.param_groups}
-        assert groups["plus"]["params"] == [a] and "weight_lo" in opt.state[a]
+        runs.append({"b": b.detach().clone()} if change == "first removed"
+                    else {"a": a.detach().clone(), "b": b.detach().clone()})
+        if not (changed and change == "first removed"):
+            groups = {g["strategy"]: g for g in opt.param_groups}
+            assert groups["plus"]["params"] == [a] and "weight_lo" in opt.state[a]
     assert_bitwise_equal(*runs)
 
 
