@@ -429,6 +429,23 @@ def test_item7_meta_parameters_step(rule, strategy, path):
     assert all(v.device.type == "meta" for k, v in state.items() if k != "step")
 
 
+@pytest.mark.parametrize("rule", RULES)
+def test_item7_a_meta_optimizer_saves_loads_and_steps_on(rule):
+    """A state dict of meta parameters loads into an optimizer of meta parameters, which
+    steps on (the step counters stay on the host, where a new state keeps them)."""
+    p = torch.nn.Parameter(torch.empty(4, dtype=BF16, device="meta"))
+    opt = _make(rule, [p])
+    p.grad = torch.empty_like(p)
+    opt.step()
+    q = torch.nn.Parameter(torch.empty(4, dtype=BF16, device="meta"))
+    other = _make(rule, [q])
+    other.load_state_dict(opt.state_dict())
+    assert other.state[q]["step"].device.type == "cpu"
+    q.grad = torch.empty_like(q)
+    other.step()
+    assert float(other.state[q]["step"]) == 2
+
+
 @pytest.mark.parametrize("rule", ["adamw", "sgd"])
 def test_item7_meta_parameters_step_with_fused(rule):
     p = torch.nn.Parameter(torch.empty(8, dtype=BF16, device="meta"))

@@ -197,10 +197,13 @@ def _restored(optimizer, param, group: dict, saved: dict, from_torch: bool, curr
                                         optimizer.seed, position)
     restored = {}
     for key, value in saved.items():
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and key == "step":
+            # where a new state keeps it: on the host (reading it waits for no device, and
+            # a meta parameter's counter still counts), on the device when capturable
+            device = param.device if group.get("capturable", False) else "cpu"
+            value = value.to(device=device, dtype=torch.float32, copy=True)
+        elif isinstance(value, torch.Tensor):
             value = value.to(device=param.device, copy=True)
-            if key == "step":
-                value = value.to(torch.float32)
         restored[key] = value
     if not isinstance(restored.get("step"), torch.Tensor):
         restored["step"] = torch.tensor(float(restored.get("step", 0)), dtype=torch.float32)
