@@ -19,6 +19,10 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 import collage
 from collage.optim import get_strategy
@@ -703,3 +707,42 @@ def test_a_copy_after_group_changes_continues_bit_for_bit(how):
             o.step()
     assert_bitwise_equal(snapshot(model, opt), snapshot(model2, opt2))
     assert opt2.last_paths == opt.last_paths == {0: "native", 1: "native"}
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_global_step_hooks_run_for_collage_optimizers(rule):
+    """torch.optim's global hooks (``register_optimizer_step_pre_hook`` / ``post_hook``)
+    see collage's steps too."""
+    p = _param()
+    opt = _make(rule, [p])
+    seen = []
+    pre = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: seen.append(("pre", optimizer is opt)))
+    post = register_optimizer_step_post_hook(
+        lambda optimizer, args, kwargs: seen.append(("post", optimizer is opt)))
+    try:
+        _step(opt, [p], 0)
+    finally:
+        pre.remove()
+        post.remove()
+    assert seen == [("pre", True), ("post", True)]
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_deepcopy_copies_all_public_attributes(rule):
+    p, opt = _trained(rule)
+    copied = copy.deepcopy(opt)
+    public = [name for name in dir(opt) if not name.startswith("_")
+              and not callable(getattr(opt, name))]
+    assert {"defaults", "param_groups", "state", "last_paths", "seed"} <= set(public)
+    for name in public:
+        if name in ("state", "param_groups"):
+            continue  # tensors: compared below
+        assert getattr(copied, name) == getattr(opt, name), name
+    assert_equal_state_dicts(opt.state_dict(), copied.state_dict())
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_optimizer_can_be_printed(rule):
+    text = repr(_make(rule, [_param()]))
+    assert text.startswith(RULES[rule][0].__name__) and "strategy: plus" in text
