@@ -186,14 +186,22 @@ def test_item8_numpy_and_other_real_hyperparameters_are_accepted(rule, kind):
     coefficients are computed in float64 on the host, never in float32)."""
     make = {"np.float32": np.float32, "np.float64": np.float64, "0-d array": np.array,
             "Fraction": fractions.Fraction}[kind]
-    lr = 1e-3 if kind != "Fraction" else "1/1024"
-    odd = make(lr)
+    values = {"lr": 1e-3, "weight_decay": 0.25}
+    if rule != "sgd":
+        values["betas"] = (0.8, 0.9)
+    else:
+        values["momentum"] = 0.7
+    odd = {k: tuple(map(make, v)) if k == "betas" else make(v) for k, v in values.items()}
+    if kind == "Fraction":  # exact fractions, not the floats' binary values
+        odd = {"lr": make(1, 1024), "weight_decay": make(1, 4), "momentum": make(7, 10),
+               "betas": (make(4, 5), make(9, 10))}
+        odd = {k: v for k, v in odd.items() if k in values}
+    as_floats = {k: tuple(map(float, v)) if k == "betas" else float(v) for k, v in odd.items()}
     runs = []
-    for value in (odd, float(odd)):
+    for kwargs in (odd, as_floats):
         p = _param()
-        opt = _make(rule, [p], lr=value, weight_decay=make(0.25 if kind != "Fraction"
-                                                            else "1/4"))
-        for step in range(2):
+        opt = _make(rule, [p], **kwargs)
+        for step in range(3):
             _step(opt, [p], step)
         runs.append(p.detach().clone())
     assert torch.equal(bits(runs[0]), bits(runs[1]))
