@@ -6,6 +6,9 @@ or table that goes stale fails CI (issue #25).
 * the second-moment table of docs/strategies.md (``benchmarks/second_moment.py --check``);
 * the research-plus table of docs/research_plus.md (``benchmarks/research_plus.py
   --check``);
+* docs/reliability.md's drop-in table quotes the error of an invalid hyperparameter
+  passed with ``params=None`` (issue #30; the behaviours of the table's rows are tested in
+  ``tests/optim/test_drop_in.py`` and ``tests/optim/test_torch_conventions.py``);
 * ``lr = 0`` leaves every weight and compensation term bitwise unchanged:
   ``tests/reliability/test_fuzz.py::test_lr_zero_changes_no_weight`` (every rule, strategy
   and path).
@@ -21,7 +24,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import torch
 
 import collage
@@ -314,3 +316,14 @@ def test_security_page_lists_every_load_of_a_file():
                    for kinds in calls.values() for k in kinds), calls
     assert "collage/train/runner.py`, `load_checkpoint`" not in text
     assert "| BPE token ids" in text
+
+
+def test_reliability_quotes_the_hyperparameter_error_as_raised():
+    """The drop-in row quotes ``collage.AdamW(None, lr=-1)``'s error: it is raised, before
+    ``params`` is read, word for word."""
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    quoted = "`lr must be >= 0, got -1`"
+    assert "`collage.AdamW(None, lr=-1)`" in text and quoted in text
+    with pytest.raises(ValueError) as error:
+        collage.AdamW(None, lr=-1)
+    assert str(error.value) == quoted.strip("`")

@@ -7,19 +7,22 @@ strategy is a parameter (and a per-group key), never a subclass.
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
+import operator
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
+from torch.optim.optimizer import required
 
 from ..metrics import UpdateStats
 from . import convert, dispatch, state_io
 from .group import GroupStep, Item, check_gradient, local
 from .nonfinite import FiniteProof, all_ranks_max, nonfinite_flag, shard_group
-from .rules import Rule
+from .rules import Rule, plain_numbers
 from .strategies import check_weight, get_strategy
 
 __all__ = ["CollageOptimizer", "NONFINITE_POLICIES"]
@@ -27,6 +30,41 @@ __all__ = ["CollageOptimizer", "NONFINITE_POLICIES"]
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
 
 Batch = tuple[int, dict, list[Item]]
+
+
+@dataclass(eq=False)
+class _GroupBook:
+    """What the optimizer keeps about one param group from step to step. The books are
+    keyed by the group itself (``id(group)``; a book holds its group, so that the id is
+    never another group's): removing, reordering or inserting groups moves nothing from one
+    group to another. Not in the group dict: torch.optim's ``state_dict`` saves its keys."""
+
+    group: dict
+    #: the group's parameters when last checked (compared by identity at every step)
+    params: list
+    #: the strategy its states were made with (a ``strategy`` set since converts them)
+    strategy: str
+    #: its hyperparameters when last validated (``_hyper_key``)
+    hyper: tuple
+    #: the group as the kernels read it (``rules.plain_numbers``: numpy's scalars as
+    #: floats), made when its hyperparameters are validated; None until then
+    values: Any = None
+    #: kept for the paths from step to step (the native and Triton plans)
+    cache: dict = field(default_factory=dict)
+    #: the path (``dispatch.PATHS``) that stepped it last
+    path: str | None = None
+
+    def checked(self, key: tuple | None = None) -> None:
+        """Note the group's hyperparameters validated (``key``: their ``_hyper_key``)."""
+        self.hyper = _hyper_key(self.group) if key is None else key
+        self.values = plain_numbers(self.group)
+
+    @classmethod
+    def of(cls, group: dict, path: str | None = None) -> _GroupBook:
+        """The book of a group just checked."""
+        book = cls(group, list(group["params"]), group["strategy"], (), path=path)
+        book.checked()
+        return book
 
 
 class CollageOptimizer(Optimizer):
@@ -50,7 +88,6 @@ class CollageOptimizer(Optimizer):
         nonfinite: str,
         seed: int,
     ) -> None:
-        get_strategy(strategy)
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={nonfinite!r} is unknown; use one of: "
                              f"{', '.join(NONFINITE_POLICIES)}")
@@ -67,38 +104,57 @@ class CollageOptimizer(Optimizer):
         self._device_skips: torch.Tensor | None = None
         self.skipped_steps = 0
         self.update_stats: dict[str, float] = {}
-        #: the path that stepped each group last (``dispatch.PATHS``), by group index
-        self.last_paths: dict[int, str] = {}
         self._steps_taken = 0
-        self._positions: dict[int, int] | None = None
-        self._caches: dict[int, dict] = {}
+        #: ``id(group)``: its book (:class:`_GroupBook`)
+        self._books: dict[int, _GroupBook] = {}
+        #: ``id(param)``: the parameter's position in the optimizer, a key of its
+        #: stochastic draws. Given once, in the order parameters join (the order of the
+        #: groups at construction); kept while the parameter is in a group, so that adding,
+        #: removing or moving parameters and groups moves no other parameter's draws. The
+        #: keys are the ids of the books' parameters, which the books keep alive.
+        self._positions: dict[int, int] = {}
+        self._next_position = 0
         self._warned = False
         self._finite_proof: FiniteProof | None = None
-        #: by group index: the strategy its states were made with (a group's strategy set
-        #: since converts them at the next step), and its hyperparameters last checked
-        self._state_strategies: dict[int, str] = {}
-        self._checked_hyper: dict[int, tuple] = {}
         defaults = dict(defaults, strategy=strategy, foreach=foreach, fused=fused,
                         reference=reference)
+        # as torch.optim: the hyperparameters are checked before ``params`` is read
+        self._validate_settings(defaults)
+        _check_params_argument(params)
         super().__init__(params, defaults)
+
+    @property
+    def last_paths(self) -> dict[int, str]:
+        """The path (``dispatch.PATHS``) that stepped each group last, by the group's index
+        in ``param_groups`` now (a group moved or removed takes its entry along); groups
+        not stepped yet are absent. A new dict at each read."""
+        books = self._books
+        return {index: book.path for index, group in enumerate(self.param_groups)
+                if (book := books.get(id(group))) is not None and book.path is not None}
 
     # ----------------------------------------------------------------------- validation
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        self._positions = None
-        index = len(self.param_groups) - 1
-        group = self.param_groups[-1]
         try:
-            self._validate_group(group, index)
-            _refuse_duplicates(group, index, self._param_names(group, index))
+            self._check_membership()
         except Exception:
             self.param_groups.pop()
             raise
-        self._state_strategies[index] = group["strategy"]
-        self._checked_hyper[index] = _hyper_key(group)
 
     def _validate_group(self, group: dict, index: int) -> None:
+        self._validate_settings(group)
+        strategy = get_strategy(group["strategy"])
+        for name, param in zip(self._param_names(group, index), group["params"]):
+            _check_parameter(name, param, differentiable=group.get("differentiable", False))
+            if param.is_complex():
+                raise TypeError(f"parameter {name!r} is complex; collage optimizers support "
+                                "real floating-point parameters only (use torch.view_as_real)")
+            check_weight(strategy, param, name)
+
+    def _validate_settings(self, group: dict) -> None:
+        """Check a group's (or the defaults') hyperparameters and flags; reads no
+        parameter."""
         strategy = get_strategy(group["strategy"])
         strategy.check_rule(self.rule)
         self.rule.validate(group)
@@ -117,11 +173,6 @@ class CollageOptimizer(Optimizer):
         _refuse_unsupported(group)
         if group.get("capturable", False):
             self._validate_capturable(group)
-        for name, param in zip(self._param_names(group, index), group["params"]):
-            if param.is_complex():
-                raise TypeError(f"parameter {name!r} is complex; collage optimizers support "
-                                "real floating-point parameters only (use torch.view_as_real)")
-            check_weight(strategy, param, name)
 
     def _validate_capturable(self, group: dict) -> None:
         """capturable=True: the Triton kernels, and nothing that reads the device on the
@@ -140,9 +191,96 @@ class CollageOptimizer(Optimizer):
 
     @staticmethod
     def _param_names(group: dict, index: int) -> list[str]:
-        return group.get("param_names") or [
-            f"group{index}.param{i}" for i in range(len(group["params"]))
-        ]
+        """A name per parameter: the group's ``param_names``, and ``group<i>.param<j>``
+        for parameters that have none (an unnamed group, or parameters appended to a
+        named group's ``params`` without a name)."""
+        names = group.get("param_names") or []
+        params = group["params"]
+        if len(names) > len(params):
+            raise ValueError(
+                f"param group {index} has {len(names)} param_names for {len(params)} "
+                "parameters: a parameter was removed from its 'params' but not its name "
+                "from 'param_names'; remove both")
+        return [*names, *(f"group{index}.param{i}" for i in range(len(names), len(params)))]
+
+    # ----------------------------------------------------------------------- groups
+
+    def _check_groups(self) -> None:
+        """Check what was done to ``param_groups`` since the last step, before any tensor
+        changes: groups added, removed or moved, parameters added to or removed from a
+        group (:meth:`_check_membership`), hyperparameters set or edited in place."""
+        self._check_membership()
+        for index, group in enumerate(self.param_groups):
+            book = self._books[id(group)]
+            key = _hyper_key(group)
+            if book.hyper != key:
+                self._validate_group(group, index)
+                book.checked(key)
+
+    def _check_membership(self) -> None:
+        """Admit the groups that are new (inserted into ``param_groups`` by hand) or whose
+        parameter list changed (checked as ``add_param_group`` checks them; a new parameter
+        takes the next position, and no other parameter's changes), and drop the books of
+        groups no longer there. One identity comparison per parameter when nothing
+        changed."""
+        groups = self.param_groups
+        books = self._books
+        changed = [(index, group) for index, group in enumerate(groups)
+                   if (book := books.get(id(group))) is None
+                   or not _same_tensors(book.params, group["params"])]
+        if changed or len(books) != len(groups):  # (or only removals)
+            self._admit(changed)
+
+    def _admit(self, changed: Sequence[tuple[int, dict]]) -> None:
+        """Check the ``changed`` (index, group) pairs and that no parameter is in two
+        groups, then (nothing changed on error) make or update their books, forget the
+        books of groups no longer there and give new parameters positions."""
+        for index, group in changed:
+            if id(group) not in self._books:
+                self._complete_group(group, index)
+        for index, group in changed:
+            self._validate_group(group, index)
+            _refuse_duplicates(group, index, self._param_names(group, index))
+        self._refuse_shared_parameters()
+        books = self._books
+        for index, group in changed:
+            book = books.get(id(group))
+            if book is None:
+                books[id(group)] = _GroupBook.of(group)
+            else:  # the paths' plans describe the old parameter list
+                book.params, book.cache = list(group["params"]), {}
+                book.checked()
+        self._books = {id(group): books[id(group)] for group in self.param_groups}
+        old, self._positions = self._positions, {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                position = old.get(id(param))
+                if position is None:
+                    position, self._next_position = self._next_position, self._next_position + 1
+                self._positions[id(param)] = position
+
+    def _complete_group(self, group: dict, index: int) -> None:
+        """A group put into ``param_groups`` by hand: the defaults filled in, as
+        ``add_param_group`` does."""
+        if not isinstance(group, dict) or not isinstance(group.get("params"), list):
+            raise TypeError(f"param group {index} must be a dict whose 'params' is a list of "
+                            "tensors; add groups with optimizer.add_param_group(...)")
+        for key, value in self.defaults.items():
+            if value is required and key not in group:
+                raise ValueError(f"param group {index} must specify {key!r}")
+            group.setdefault(key, value)
+
+    def _refuse_shared_parameters(self) -> None:
+        """A parameter in two groups would be stepped twice per step: refuse it, naming it
+        (torch.optim's add_param_group refuses it too)."""
+        seen: dict[int, tuple[int, str]] = {}
+        for index, group in enumerate(self.param_groups):
+            for name, param in zip(self._param_names(group, index), group["params"]):
+                first = seen.setdefault(id(param), (index, name))
+                if first[0] != index:
+                    raise ValueError(
+                        f"parameter {first[1]!r} is in param group {first[0]} and also in "
+                        f"param group {index} (as {name!r}); list each parameter in one group")
 
     # ----------------------------------------------------------------------- step
 
@@ -158,7 +296,7 @@ class CollageOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_hyperparameters()
+        self._check_groups()
         self._convert_strategies()  # before gathering: the items hold the states
         batches = self._gather()
         sharded = shard_group(item.param for _, _, items in batches for item in items)
@@ -168,10 +306,11 @@ class CollageOptimizer(Optimizer):
         if not self._gradients_usable(batches, sharded, [step for _, step in groups]):
             return loss
         # every group is checked before any is stepped: a mismatch changes nothing
-        prepared = [(index, dispatch.prepare(step)) for index, step in groups]
-        for index, ready in prepared:
+        prepared = [(group, dispatch.prepare(step))
+                    for (_, group, _), (_, step) in zip(batches, groups)]
+        for group, ready in prepared:
             if ready is not None:
-                self.last_paths[index] = dispatch.run(ready)
+                self._books[id(group)].path = dispatch.run(ready)
         self._steps_taken += 1
         if stats is not None:
             if sharded is not None:
@@ -182,11 +321,12 @@ class CollageOptimizer(Optimizer):
     def _group_step(self, index: int, group: dict, items: list[Item],
                     stats: UpdateStats | None) -> GroupStep:
         """The plain data of one group's step (``group.GroupStep``)."""
+        book = self._books[id(group)]
         return GroupStep(
-            self.rule, get_strategy(group["strategy"]), group, items, seed=self.seed,
+            self.rule, get_strategy(group["strategy"]), book.values, items, seed=self.seed,
             grad_scale=getattr(self, "grad_scale", None), foreach=group["foreach"],
             fused=group["fused"], reference=group["reference"], stats=stats,
-            cache=self._caches.setdefault(index, {}), warn=self._warn_fallback)
+            cache=book.cache, warn=self._warn_fallback)
 
     def _gather(self) -> list[Batch]:
         """(group index, group, items) for the parameters that have gradients."""
@@ -209,49 +349,37 @@ class CollageOptimizer(Optimizer):
         return batches
 
     def _parameter_positions(self) -> dict[int, int]:
-        """``id(param)``: the parameter's position in the optimizer over all groups (a key
-        of its stochastic draws); rebuilt after ``add_param_group``."""
-        if self._positions is None:
-            params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
-            self._positions = {id(p): i for i, p in enumerate(params)}
+        """``id(param)``: the parameter's position in the optimizer (a key of its
+        stochastic draws; see ``_positions``), as of the last check of the groups."""
         return self._positions
-
-    def _check_hyperparameters(self) -> None:
-        """Validate each group whose hyperparameters changed since they were last checked
-        (a scheduler or a user editing ``param_groups``), before any tensor changes."""
-        for index, group in enumerate(self.param_groups):
-            key = _hyper_key(group)
-            if self._checked_hyper.get(index) != key:
-                self._validate_group(group, index)
-                self._checked_hyper[index] = key
 
     def _convert_strategies(self) -> None:
         """Convert the states of groups whose ``strategy`` was set since their states were
         made (``convert.py``). Every conversion is checked before any is made, so one that
-        cannot be made changes nothing."""
+        cannot be made changes nothing. After :meth:`_check_membership`."""
         pending = []
         for index, group in enumerate(self.param_groups):
-            old = self._state_strategies.get(index, group["strategy"])
+            old = self._books[id(group)].strategy
             if old != group["strategy"]:
                 self._validate_group(group, index)
-                pending.append((index, get_strategy(old), get_strategy(group["strategy"])))
-        for index, old, new in pending:
-            for name, param, state in self._states_of(index):
+                pending.append((index, group, get_strategy(old),
+                                get_strategy(group["strategy"])))
+        for index, group, old, new in pending:
+            for name, param, state in self._states_of(group, index):
                 mismatch = old.state_mismatch(self.rule, param, state)
                 if mismatch is not None:
                     raise ValueError(f"cannot convert the state of parameter {name!r} from "
                                      f"strategy {old.name!r} to {new.name!r}: {mismatch}")
         positions = self._parameter_positions()
-        for index, old, new in pending:
-            for _, param, state in self._states_of(index):
+        for index, group, old, new in pending:
+            for _, param, state in self._states_of(group, index):
                 self.state[param] = convert.convert(self.rule, old, new, param, state,
                                                     self.seed, positions[id(param)])
-            self._state_strategies[index] = new.name
-            self._caches.pop(index, None)
+            book = self._books[id(group)]
+            book.strategy, book.cache = new.name, {}
 
-    def _states_of(self, index: int) -> list[tuple[str, torch.Tensor, dict]]:
+    def _states_of(self, group: dict, index: int) -> list[tuple[str, torch.Tensor, dict]]:
         """(name, parameter, state) of the group's parameters that have a state."""
-        group = self.param_groups[index]
         return [(name, param, self.state[param])
                 for name, param in zip(self._param_names(group, index), group["params"])
                 if self.state.get(param)]
@@ -282,7 +410,9 @@ class CollageOptimizer(Optimizer):
             return True
         if self.nonfinite == "ignore":
             return True
-        grads = [item.grad for _, _, items in batches for item in items]
+        # a meta tensor holds no values to check (torch.optim steps meta parameters too)
+        grads = [item.grad for _, _, items in batches for item in items
+                 if item.grad.device.type != "meta"]
         if not grads:
             return True
         # A finite norm of these very gradients (clip_grad_norm_) proves every element
@@ -380,6 +510,7 @@ class CollageOptimizer(Optimizer):
     # ----------------------------------------------------------------------- state dict
 
     def state_dict(self) -> dict[str, Any]:
+        self._check_membership()
         self._convert_strategies()  # the saved states are those of the saved strategies
         sd = super().state_dict()
         sd["collage"] = {
@@ -392,33 +523,58 @@ class CollageOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load like torch.optim, but keep every state tensor's saved dtype (torch.optim
         casts floating-point state to the parameter's dtype, which would turn fp32 masters
-        and moments into bf16 silently); see ``state_io.load``."""
+        and moments into bf16 silently), and all or nothing; see ``state_io.load``. The
+        hooks run as torch.optim's: ``register_load_state_dict_pre_hook``'s see (and may
+        change or replace) the whole state dict before anything is checked, and
+        ``register_load_state_dict_post_hook``'s see the groups and states installed."""
+        if isinstance(state_dict, dict):  # (else state_io.load says what it must be)
+            state_dict = state_dict.copy()  # shallow, as torch.optim's
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._check_membership()  # positions for parameters added since the last step
+        paths = [self._books[id(group)].path for group in self.param_groups]
         # the native plans hold the old state dicts: drop them before loading, or the old
         # tensors would live beside the new ones until each group's next step
-        self._caches.clear()
-        state_io.load(self, state_dict, super().load_state_dict)
-        for index, group in enumerate(self.param_groups):
-            self._state_strategies[index] = group["strategy"]
-            self._checked_hyper[index] = _hyper_key(group)
+        for book in self._books.values():
+            book.cache = {}
+        state_io.load(self, state_dict)
+        # the loaded groups are new dicts over the same parameters: new books, the paths
+        # kept by index (the same groups)
+        self._books = {id(group): _GroupBook.of(group, path)
+                       for group, path in zip(self.param_groups, paths)}
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     # ----------------------------------------------------------------------- copies
 
     #: attributes that are the optimizer's (beyond torch.optim's), copied by deepcopy and
-    #: pickle; the rest (caches, the clipping proof, warnings given) start afresh
+    #: pickle with the groups' books and the positions; the rest (the paths' caches, the
+    #: clipping proof, warnings given) start afresh
     _COPIED = ("nonfinite", "track_updates", "seed", "skipped_steps", "update_stats",
-               "last_paths", "_steps_taken", "_state_strategies", "_checked_hyper")
+               "_steps_taken", "_next_position")
 
     def __getstate__(self) -> dict[str, Any]:
         self._settle_skips()
         out = super().__getstate__()
         out.update({name: self.__dict__[name] for name in self._COPIED})
+        # the books and positions with the group dicts and parameters themselves (copied
+        # once with param_groups, pickle and deepcopy keep identities), not their ids;
+        # the paths' caches start afresh
+        books = list(self._books.values())
+        out["_books"] = [dataclasses.replace(book, cache={}) for book in books]
+        out["_positions"] = [(param, self._positions[id(param)])
+                             for book in books for param in book.params]
         return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        books, positions = state.pop("_books", None), state.pop("_positions", None)
         super().__setstate__(state)
         self._device_skips = None
-        self._positions = None
-        self._caches = {}
+        self._books = {id(book.group): book for book in books or ()}
+        self._positions = {id(param): position for param, position in positions or ()}
         self._warned = False
         self._finite_proof = None
 
@@ -438,6 +594,32 @@ def _refuse_unsupported(group: dict) -> None:
             raise NotImplementedError(f"{key}=True: {why}")
 
 
+def _check_params_argument(params) -> None:
+    """A clear error for a ``params`` that is no iterable (torch.optim's is Python's
+    "'NoneType' object is not iterable"); torch.optim's own checks follow."""
+    if not isinstance(params, Iterable):
+        raise TypeError("params must be an iterable of parameters (model.parameters()), of "
+                        "(name, parameter) pairs (model.named_parameters()) or of param "
+                        f"group dicts, got {type(params).__name__}")
+
+
+def _check_parameter(name: str, param, *, differentiable: bool) -> None:
+    """What torch.optim's add_param_group checks of each parameter (here also of one
+    appended to a group's list later), naming it."""
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"parameter {name!r} is a {type(param).__name__}; an optimizer "
+                        "steps tensors only")
+    if not differentiable and not (param.is_leaf or param.retains_grad):
+        raise ValueError(f"parameter {name!r} is not a leaf tensor: an optimizer cannot "
+                         "step it (torch.optim: \"can't optimize a non-leaf Tensor\")")
+
+
+def _same_tensors(a: list, b: list) -> bool:
+    """Whether two lists hold the same tensors, compared by identity (``==`` on tensors
+    compares elements)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
 def _refuse_duplicates(group: dict, index: int, names: list[str]) -> None:
     """A parameter listed twice in a group would be stepped twice per step (torch.optim
     warns and does so); refuse it, naming the parameter."""
@@ -449,9 +631,26 @@ def _refuse_duplicates(group: dict, index: int, names: list[str]) -> None:
         seen[id(param)] = name
 
 
+_IMMUTABLE = frozenset({float, int, bool, str, type(None)})
+
+
 def _hyper_key(group: dict) -> tuple:
-    """What ``_check_hyperparameters`` compares: every value but the parameters; a tensor by
-    identity and version (a new value in place bumps the version)."""
-    return tuple((key, ("tensor", id(value), value._version)
-                  if isinstance(value, torch.Tensor) else value)
-                 for key, value in group.items() if key not in ("params", "param_names"))
+    """What ``_check_groups`` compares: every value but the parameters, as a deep, immutable
+    snapshot (:func:`_frozen`), so that any change, in place included, is validated."""
+    return tuple((key, _frozen(value)) for key, value in group.items()
+                 if key not in ("params", "param_names"))
+
+
+def _frozen(value) -> Any:
+    """``value`` as an immutable snapshot: lists and tuples as tuples of snapshots (a list
+    ``betas`` edited in place compares unequal), a dict as its sorted items, a tensor by
+    identity and version (a new value written in place bumps the version)."""
+    if type(value) in _IMMUTABLE:  # the usual case, first
+        return value
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value._version)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *(_frozen(item) for item in value))
+    if isinstance(value, dict):
+        return ("dict", *sorted((repr(k), _frozen(v)) for k, v in value.items()))
+    return value

@@ -158,8 +158,11 @@ class Lion(CollageOptimizer):
         nonfinite: str = "skip",
         seed: int = 0,
     ) -> None:
+        # differentiable=False as torch.optim's every optimizer has it (its __setstate__
+        # adds it otherwise, so a copy's defaults would differ from the original's)
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
-                        weight_decay=weight_decay, maximize=maximize, capturable=capturable)
+                        weight_decay=weight_decay, maximize=maximize, capturable=capturable,
+                        differentiable=False)
         super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
                          reference=reference, track_updates=track_updates,
                          nonfinite=nonfinite, seed=seed)

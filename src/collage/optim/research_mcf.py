@@ -44,10 +44,12 @@ def split_beta(beta: float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     """``beta`` as ``(beta_hi, beta_lo)`` 0-d tensors of ``like``'s dtype: ``beta_hi`` its
     rounding (through float32, as ``torch.tensor(beta).to(like)`` rounds), ``beta_lo`` the
     rest, ``beta - beta_hi``, rounded the same way. Defect 1 fixed: the research code took
-    the rest against float32's rounding of beta."""
-    beta_hi = torch.tensor(beta).to(like)
-    beta_lo = torch.tensor(beta - beta_hi.item()).to(like)
-    return beta_hi, beta_lo
+    the rest against float32's rounding of beta. Computed on the host (the same roundings
+    on every device), so that nothing is read back from ``like``'s device (a meta tensor
+    has no values; a CUDA one would wait)."""
+    beta_hi = torch.tensor(beta).to(like.dtype)
+    beta_lo = torch.tensor(beta - beta_hi.item()).to(like.dtype)
+    return beta_hi.to(like.device), beta_lo.to(like.device)
 
 
 def scale_pair(hi: torch.Tensor, lo: torch.Tensor, beta_hi: torch.Tensor,

@@ -23,6 +23,7 @@ synchronisation).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -30,8 +31,8 @@ import torch
 
 from .arith import axpy, axpy_
 
-__all__ = ["Rule", "StateSpec", "ADAMW", "SGD", "LION", "RULES", "number", "check_betas",
-           "WEIGHT_DECAY_STYLES"]
+__all__ = ["Rule", "StateSpec", "ADAMW", "SGD", "LION", "RULES", "number", "plain_numbers",
+           "check_betas", "WEIGHT_DECAY_STYLES"]
 
 #: AdamW's weight-decay styles on the reference path (the research code's): ``compact``
 #: folds ``- lr * wd * w`` into the update; ``torch`` decays the weight before the update,
@@ -58,18 +59,57 @@ class StateSpec:
 
 
 def number(value, name: str) -> float:
-    """A hyperparameter as a Python float; 0-d tensors (e.g. a tensor lr) are accepted."""
+    """A hyperparameter as a Python float. Accepted, as torch.optim accepts them: any real
+    number (``int``, ``float``, ``fractions.Fraction``, numpy's ``float32``...; what is a
+    ``numbers.Real`` or converts with ``float()``), a one-element tensor (a tensor lr) or
+    0-d array. Refused: ``bool`` (a flag passed in the wrong place) and complex numbers."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a number or a one-element tensor, got shape "
                              f"{tuple(value.shape)}")
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not _is_real(value):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
+
+
+def _is_real(value) -> bool:
+    """A real number that is not a bool: a ``numbers.Real`` or what has ``__float__`` (a
+    numpy scalar or 0-d array), not a numpy bool or complex."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "bool":
+        return False
+    if isinstance(value, numbers.Real):
+        return True
+    if isinstance(value, numbers.Complex) or getattr(value, "dtype", None) is not None \
+            and getattr(value.dtype, "kind", "") == "c":
+        return False
+    return hasattr(type(value), "__float__") and getattr(value, "ndim", 0) == 0
+
+
+def plain_numbers(group: Mapping) -> Mapping:
+    """``group`` with its real numbers that are not Python's (numpy's ``float32``...) as
+    Python floats, in tuples and lists too (betas): the coefficients are then computed in
+    float64 on the host as for a float, never in a numpy scalar's precision. ``group``
+    itself where there is none (the usual case: no copy)."""
+    plain = {key: value if key in ("params", "param_names") else _plain(value)
+             for key, value in group.items()}
+    if all(plain[key] is value for key, value in group.items()):
+        return group
+    return plain
+
+
+def _plain(value):
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return value
+    if isinstance(value, (tuple, list)):
+        items = [_plain(item) for item in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return type(value)(items)
+    return float(value) if _is_real(value) else value
 
 
 def _sqrt(x):

@@ -2,9 +2,12 @@
 
 Everything is checked before anything changes: the number of groups and parameters, each
 group's strategy and hyperparameters, each state's keys, dtypes, shapes and step counter.
-On any error the optimizer is exactly as before. Then torch.optim's loader installs the
-groups, and the states are installed as saved (torch.optim would cast floating-point state
-to the parameter's dtype, turning fp32 masters and moments into bf16 silently).
+On any error the optimizer is exactly as before. Then the groups are installed as
+torch.optim's loader installs them (the saved values, deep-copied, over our parameters), and
+the states as saved (torch.optim would cast floating-point state to the parameter's dtype,
+turning fp32 masters and moments into bf16 silently). Entries of ``"state"`` that belong to
+no parameter (a hook's marker, say) are kept as they are, as torch.optim keeps them. The
+load hooks run around this (``CollageOptimizer.load_state_dict``).
 
 A ``torch.optim.AdamW`` or ``SGD`` state (its groups have no ``strategy``) is converted:
 its float32 moments are stored as the group's strategy stores float32 values
@@ -13,9 +16,8 @@ its float32 moments are stored as the group's strategy stores float32 values
 
 from __future__ import annotations
 
-import itertools
+import copy
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,8 +32,8 @@ _TORCH_STATE_KEYS = {"adamw": {"step", "exp_avg", "exp_avg_sq"},
                      "sgd": {"momentum_buffer", "step"}}
 
 
-def load(optimizer, state_dict: dict[str, Any], torch_load: Callable[[dict], None]) -> None:
-    """Load ``state_dict`` into ``optimizer`` (``torch_load``: torch.optim's loader)."""
+def load(optimizer, state_dict: dict[str, Any]) -> None:
+    """Load ``state_dict`` into ``optimizer``, all or nothing."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
         raise ValueError("state_dict must be an optimizer state dict with 'state' and "
                          "'param_groups' (optimizer.state_dict()'s output)")
@@ -46,19 +48,34 @@ def load(optimizer, state_dict: dict[str, Any], torch_load: Callable[[dict], Non
     for name, param, group, saved_state, from_torch in plan:
         _check_state(optimizer, name, param, group, saved_state, from_torch)
     extra = _checked_extra(state_dict.get("collage"))
-    # nothing changes before this line
-    previous = dict(optimizer.state)
-    torch_load({"state": {}, "param_groups": merged})
-    states = {}
     positions = optimizer._parameter_positions()
-    for name, param, group, saved_state, from_torch in plan:
-        if saved_state is None:
-            continue
-        states[param] = _restored(optimizer, param, group, saved_state, from_torch,
-                                  previous.get(param, {}), positions[id(param)])
+    states = {param: _restored(optimizer, param, group, saved_state, from_torch,
+                               optimizer.state.get(param, {}), positions[id(param)])
+              for name, param, group, saved_state, from_torch in plan
+              if saved_state is not None}
+    states.update(_unowned(state_dict["state"], saved_groups))
+    groups = [_installed(group, current)
+              for group, current in zip(merged, optimizer.param_groups)]
+    # nothing changes before this line
+    optimizer.param_groups = groups
     optimizer.state.clear()
     optimizer.state.update(states)
     _set_extra(optimizer, extra)
+
+
+def _installed(merged: dict, current: dict) -> dict:
+    """A loaded group as torch.optim's loader makes it: the saved values deep-copied (no
+    list or tensor shared with the state dict), our parameters, our ``param_names`` where
+    the state dict has none."""
+    group = copy.deepcopy({k: v for k, v in merged.items() if k != "params"})
+    group["params"] = current["params"]
+    return group
+
+
+def _unowned(saved_state: dict, saved_groups: list[dict]) -> dict:
+    """The entries of a saved ``"state"`` that belong to no saved parameter, as they are."""
+    owned = {saved_id for group in saved_groups for saved_id in group["params"]}
+    return {key: value for key, value in saved_state.items() if key not in owned}
 
 
 def _check_sizes(optimizer, saved_groups) -> None:
@@ -120,6 +137,10 @@ def _check_state(optimizer, name: str, param, group: dict, saved: dict | None,
         return
     if not isinstance(saved, dict):
         raise ValueError(f"the saved state of parameter {name!r} is not a dict")
+    if "step" not in saved and not (from_torch and optimizer.rule.name == "sgd"):
+        raise ValueError(f"the saved state of parameter {name!r} has no 'step' key (its step "
+                         "counter); a state without it would restart the bias corrections "
+                         "and draws at step 0. Load a complete optimizer.state_dict()")
     _check_step(name, saved.get("step"))
     if from_torch:
         return _check_torch_state(optimizer, name, param, saved)
@@ -176,10 +197,13 @@ def _restored(optimizer, param, group: dict, saved: dict, from_torch: bool, curr
                                         optimizer.seed, position)
     restored = {}
     for key, value in saved.items():
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and key == "step":
+            # where a new state keeps it: on the host (reading it waits for no device, and
+            # a meta parameter's counter still counts), on the device when capturable
+            device = param.device if group.get("capturable", False) else "cpu"
+            value = value.to(device=device, dtype=torch.float32, copy=True)
+        elif isinstance(value, torch.Tensor):
             value = value.to(device=param.device, copy=True)
-            if key == "step":
-                value = value.to(torch.float32)
         restored[key] = value
     if not isinstance(restored.get("step"), torch.Tensor):
         restored["step"] = torch.tensor(float(restored.get("step", 0)), dtype=torch.float32)
@@ -205,5 +229,6 @@ def _set_extra(optimizer, extra: dict | None) -> None:
     # torch.distributed.checkpoint's get/set_state_dict keep only "state" and
     # "param_groups" (and step once with lr=0 to create the states before loading): the
     # per-parameter step counts tell how many steps were taken.
-    steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
+    steps = [int(s["step"]) for s in optimizer.state.values()
+             if isinstance(s, dict) and "step" in s]
     optimizer._steps_taken = max(steps, default=0)
