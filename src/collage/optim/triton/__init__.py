@@ -1,5 +1,5 @@
 """Triton kernels for the optimizer step (``docs/gpu.md``): multi-tensor, one pass over
-every stored component, every rule under every strategy but plus8, capturable.
+every stored component, every rule under every strategy but plus8 and feedback, capturable.
 
 ``layout``: the kernels' table and codes; ``kernels``: the ``@triton.jit`` code (needs
 Triton; loaded by ``launch``); ``launch``: tables, arguments and launches; ``path``: what
