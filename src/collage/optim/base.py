@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 
 from ..metrics import UpdateStats
 from . import convert, dispatch, state_io
+from .edits import WriteLog, hides_weight, rederive
 from .group import GroupStep, Item, check_gradient, local
 from .nonfinite import FiniteProof, all_ranks_max, nonfinite_flag, shard_group
 from .rules import Rule
@@ -73,6 +74,7 @@ class CollageOptimizer(Optimizer):
         self._caches: dict[int, dict] = {}
         self._warned = False
         self._finite_proof: FiniteProof | None = None
+        self._writes = WriteLog()  # what each step left in the weights (edits.py)
         #: by group index: the strategy its states were made with (a group's strategy set
         #: since converts them at the next step), and its hyperparameters last checked
         self._state_strategies: dict[int, str] = {}
@@ -165,15 +167,26 @@ class CollageOptimizer(Optimizer):
         # every group is checked before any is stepped: a mismatch changes nothing
         prepared = [(index, dispatch.prepare(self._group_step(index, group, items, stats)))
                     for index, group, items in batches]
+        # after every check (a refused step changes nothing), before any kernel: weights
+        # written since our last step are the ones the step starts from (edits.py)
+        for _, group, items in batches:
+            self._writes.rederive_edited(get_strategy(group["strategy"]), items)
         for index, ready in prepared:
             if ready is not None:
                 self.last_paths[index] = dispatch.run(ready)
+        self._note_writes(batches)
         self._steps_taken += 1
         if stats is not None:
             if sharded is not None:
                 stats.reduce_(sharded)
             self.update_stats = stats.to_dict()
         return loss
+
+    def _note_writes(self, batches: list[Batch]) -> None:
+        """Record what this step left in the weights it wrote (``edits.WriteLog``)."""
+        for _, group, items in batches:
+            if hides_weight(get_strategy(group["strategy"])):
+                self._writes.note(item.param for item in items)
 
     def _group_step(self, index: int, group: dict, items: list[Item],
                     stats: UpdateStats | None) -> GroupStep:
@@ -240,8 +253,11 @@ class CollageOptimizer(Optimizer):
         positions = self._parameter_positions()
         for index, old, new in pending:
             for _, param, state in self._states_of(index):
+                if hides_weight(old) and self._writes.edited(param):  # from the edit
+                    rederive(old, param, state)
                 self.state[param] = convert.convert(self.rule, old, new, param, state,
                                                     self.seed, positions[id(param)])
+                self._writes.note((param,))
             self._state_strategies[index] = new.name
             self._caches.pop(index, None)
 
@@ -351,6 +367,9 @@ class CollageOptimizer(Optimizer):
         # tensors would live beside the new ones until each group's next step
         self._caches.clear()
         state_io.load(self, state_dict, super().load_state_dict)
+        # the loaded states describe the weights they were saved with, whichever of the
+        # model and the optimizer is loaded first: the next step trusts the weights
+        self._writes.forget()
         for index, group in enumerate(self.param_groups):
             self._state_strategies[index] = group["strategy"]
             self._checked_hyper[index] = _hyper_key(group)
@@ -373,6 +392,7 @@ class CollageOptimizer(Optimizer):
         self._caches = {}
         self._warned = False
         self._finite_proof = None
+        self._writes = WriteLog()  # the copy's parameters are new objects
 
 
 #: torch.optim's keywords whose True is not implemented, and why

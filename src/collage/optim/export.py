@@ -85,6 +85,7 @@ def load_full_precision(model: torch.nn.Module, optimizer: CollageOptimizer,
         local_param = _local(param)
         wide = _local_slice(value, param).to(device=local_param.device, dtype=torch.float64)
         strategy.set_from_full(local_param, {k: _local(v) for k, v in state.items()}, wide)
+        optimizer._writes.note((param,))  # set with its components: not an edit (edits.py)
     for name, buffer in model.named_buffers():
         if name in state_dict:
             buffer.copy_(state_dict[name])
