@@ -247,12 +247,12 @@ def _tensor_lr_coefficients(lr: torch.Tensor, weight_decay: float, step_size: fl
     rate: with tensor operations in the tensor's dtype (``1 - lr * wd`` and ``lr / (1 -
     beta1**t)`` each rounded to float32 for a float32 ``lr``), where a Python float ``lr``
     gives float64 values rounded once. The same operations on the same values: the fp32
-    strategy stays torch's bit for bit with a tensor ``lr`` too."""
+    strategy stays torch's bit for bit with a tensor ``lr`` too. ``lr_wd`` stays float64
+    (``Strategy.land``: the digits of a small decay that ``1 - decay`` would lose)."""
     lr = lr.detach().to("cpu").reshape(())
     out = {"step_size": float(lr / bias_correction1)}
     if weight_decay != 0:  # torch decays only then (and 1 - lr * 0 is 1 in any dtype)
         out["decay"] = float(1 - lr * weight_decay)
-        out["lr_wd"] = 1.0 - out["decay"]  # exact (Sterbenz): the landing's 1 - decay
     return out
 
 
