@@ -24,6 +24,8 @@ import warnings
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import collage
 from collage.optim import compiled, edits, get_strategy
@@ -433,3 +435,35 @@ def test_load_full_precision_is_not_an_edit() -> None:
     _train(model, opt, range(3, 4))
     for p, lo in zip(model.parameters(), lows):
         assert torch.equal(bits(opt.state[p]["weight_lo"]), bits(lo))
+
+
+def test_a_sharded_weight_edited_as_a_dtensor(tmp_path) -> None:
+    """A DTensor (FSDP2's parameters): an in-place op on it bumps its own version counter,
+    the optimizer's writes bump its shard's; both are read (one process, gloo)."""
+    dist = torch.distributed
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group yet")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        g = torch.Generator().manual_seed(3)
+
+        def sharded(scale: float) -> torch.Tensor:
+            return distribute_tensor((torch.randn(8, 4, generator=g) * scale).to(BF16), mesh,
+                                     [Shard(0)])
+
+        param = torch.nn.Parameter(sharded(0.5))
+        opt = collage.AdamW([param], lr=LR, strategy="mixed")
+        for _ in range(3):
+            param.grad = sharded(1.0)
+            opt.step()
+        with torch.no_grad():
+            param.zero_()
+        _set_lr(opt, 0.0)
+        param.grad = sharded(1.0)
+        opt.step()
+        assert torch.equal(param.full_tensor().detach(), torch.zeros(8, 4, dtype=BF16))
+        assert torch.equal(opt.state[param]["master"].full_tensor(), torch.zeros(8, 4))
+    finally:
+        dist.destroy_process_group()

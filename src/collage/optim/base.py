@@ -169,12 +169,12 @@ class CollageOptimizer(Optimizer):
                     for index, group, items in batches]
         # after every check (a refused step changes nothing), before any kernel: weights
         # written since our last step are the ones the step starts from (edits.py)
-        for _, group, items in batches:
-            self._writes.rederive_edited(get_strategy(group["strategy"]), items)
+        rederived = [self._writes.rederive_edited(get_strategy(group["strategy"]), items)
+                     for _, group, items in batches]
         for index, ready in prepared:
             if ready is not None:
                 self.last_paths[index] = dispatch.run(ready)
-        self._note_writes(batches)
+        self._note_writes(batches, prepared, rederived)
         self._steps_taken += 1
         if stats is not None:
             if sharded is not None:
@@ -182,10 +182,14 @@ class CollageOptimizer(Optimizer):
             self.update_stats = stats.to_dict()
         return loss
 
-    def _note_writes(self, batches: list[Batch]) -> None:
-        """Record what this step left in the weights it wrote (``edits.WriteLog``)."""
-        for _, group, items in batches:
-            if hides_weight(get_strategy(group["strategy"])):
+    def _note_writes(self, batches: list[Batch], prepared: list, rederived: list[bool]
+                     ) -> None:
+        """Record what this step left in the weights it wrote (``edits.WriteLog``). A group
+        stepped by its plan, nothing re-derived, left them as the check read them (its
+        kernels write through pointers): nothing to record."""
+        for (_, group, items), (_, ready), again in zip(batches, prepared, rederived):
+            unchanged = ready is not None and ready.by_plan and not again
+            if not unchanged and hides_weight(get_strategy(group["strategy"])):
                 self._writes.note(item.param for item in items)
 
     def _group_step(self, index: int, group: dict, items: list[Item],

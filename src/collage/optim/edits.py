@@ -56,14 +56,25 @@ def hides_weight(strategy: Strategy) -> bool:
     return known
 
 
+#: classes whose version counter and pointer are the weight's own (a DTensor's are its local
+#: shard's: read through ``local``)
+_PLAIN = frozenset({torch.nn.Parameter, torch.Tensor})
+
+
 def _mark(param: torch.Tensor) -> Mark:
     """What a write changes: the version counter (every in-place torch op bumps it) and the
-    data pointer (``p.data = t``), of the local shard for a DTensor."""
-    tensor = param if type(param) in _PLAIN else local(param)
-    return tensor._version, tensor.data_ptr()
+    data pointer (``p.data = t`` keeps the counter)."""
+    if param.__class__ in _PLAIN:
+        return param._version, param.data_ptr()
+    return _sharded_mark(param)
 
 
-_PLAIN = (torch.nn.Parameter, torch.Tensor)
+def _sharded_mark(param: torch.Tensor) -> Mark:
+    """A DTensor's mark: an in-place op on the DTensor bumps its own counter, one on its
+    local shard (the optimizer's kernels) the shard's; both only grow, so their sum is
+    unchanged exactly when neither moved. The pointer is the shard's."""
+    shard = local(param)
+    return param._version + shard._version, shard.data_ptr()
 
 
 def rederive(strategy: Strategy, param: torch.Tensor, state: dict) -> None:
@@ -91,9 +102,7 @@ class WriteLog:
 
     def note(self, params: Iterable[torch.Tensor]) -> None:
         """Record the marks the optimizer leaves in ``params`` (after its writes)."""
-        left = self._left
-        for param in params:
-            left[id(param)] = _mark(param)
+        self._left.update({id(param): _mark(param) for param in params})
 
     def edited(self, param: torch.Tensor) -> bool:
         """Whether ``param`` was written since the optimizer last left it (never for a
@@ -101,10 +110,23 @@ class WriteLog:
         known = self._left.get(id(param))
         return known is not None and known != _mark(param)
 
-    def rederive_edited(self, strategy: Strategy, items: Iterable[Item]) -> None:
-        """Re-derive the hidden components of the edited parameters among ``items``."""
+    def rederive_edited(self, strategy: Strategy, items: Iterable[Item]) -> bool:
+        """Re-derive the hidden components of the edited parameters among ``items``;
+        returns whether there was one. Per item an identity lookup and two integer reads
+        (this runs every step: no function call per item)."""
         if not hides_weight(strategy):
-            return
+            return False
+        get, plain, found = self._left.get, _PLAIN, False
         for item in items:
-            if item.state and self.edited(item.param):
-                rederive(strategy, item.param, item.state)
+            param = item.param
+            known = get(id(param))
+            if known is None:
+                continue
+            if param.__class__ in plain:
+                moved = known[0] != param._version or known[1] != param.data_ptr()
+            else:
+                moved = known != _sharded_mark(param)
+            if moved and item.state:
+                rederive(strategy, param, item.state)
+                found = True
+        return found
