@@ -353,7 +353,7 @@ class _Rederivations:
 
 
 def _detection_off(monkeypatch) -> None:
-    monkeypatch.setattr(edits.WriteLog, "rederive_edited", lambda *args: None)
+    monkeypatch.setattr(edits.WriteLog, "rederive_edited", lambda *args, **kwargs: False)
     monkeypatch.setattr(edits.WriteLog, "note", lambda *args: None)
 
 

@@ -169,8 +169,7 @@ class CollageOptimizer(Optimizer):
                     for index, group, items in batches]
         # after every check (a refused step changes nothing), before any kernel: weights
         # written since our last step are the ones the step starts from (edits.py)
-        rederived = [self._writes.rederive_edited(get_strategy(group["strategy"]), items)
-                     for _, group, items in batches]
+        rederived = self._rederive_edits(batches, prepared)
         for index, ready in prepared:
             if ready is not None:
                 self.last_paths[index] = dispatch.run(ready)
@@ -181,6 +180,15 @@ class CollageOptimizer(Optimizer):
                 stats.reduce_(sharded)
             self.update_stats = stats.to_dict()
         return loss
+
+    def _rederive_edits(self, batches: list[Batch], prepared: list) -> list[bool]:
+        """Per group: whether a weight written since our last step had its hidden
+        components set from it (``edits.WriteLog.rederive_edited``). A group about to
+        run its plan has had every weight's pointer checked against the plan's table."""
+        return [self._writes.rederive_edited(
+            get_strategy(group["strategy"]), items,
+            same_pointers=ready is not None and ready.plan_grads is not None)
+            for (_, group, items), (_, ready) in zip(batches, prepared)]
 
     def _note_writes(self, batches: list[Batch], prepared: list, rederived: list[bool]
                      ) -> None:

@@ -110,10 +110,13 @@ class WriteLog:
         known = self._left.get(id(param))
         return known is not None and known != _mark(param)
 
-    def rederive_edited(self, strategy: Strategy, items: Iterable[Item]) -> bool:
+    def rederive_edited(self, strategy: Strategy, items: Iterable[Item],
+                        same_pointers: bool = False) -> bool:
         """Re-derive the hidden components of the edited parameters among ``items``;
-        returns whether there was one. Per item an identity lookup and two integer reads
-        (this runs every step: no function call per item)."""
+        returns whether there was one. Per item an identity lookup and one or two integer
+        reads (this runs every step: no function call per item). ``same_pointers``: every
+        weight is known to have the pointer recorded (a native or Triton plan checked them
+        against its table, made when they were recorded): only the counters are read."""
         if not hides_weight(strategy):
             return False
         get, plain, found = self._left.get, _PLAIN, False
@@ -123,7 +126,8 @@ class WriteLog:
             if known is None:
                 continue
             if param.__class__ in plain:
-                moved = known[0] != param._version or known[1] != param.data_ptr()
+                moved = known[0] != param._version or (
+                    not same_pointers and known[1] != param.data_ptr())
             else:
                 moved = known != _sharded_mark(param)
             if moved and item.state:
