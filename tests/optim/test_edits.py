@@ -269,6 +269,8 @@ def test_each_kind_of_edit_is_kept_at_lr_zero(strategy: str, edit: str) -> None:
     assert not torch.equal(written[0], old[0][0])
     for p, want, (visible, value) in zip(model.parameters(), written, old):
         assert torch.equal(p.detach(), want)  # values: a -0.0 may come back +0.0
+        nonzero = want != 0  # and bits, but for the sign of a zero
+        assert torch.equal(bits(p.detach())[nonzero], bits(want)[nonzero])
         edited = not torch.equal(bits(want), bits(visible))
         assert torch.equal(represented(opt, p), want.double() if edited else value)
 
@@ -293,17 +295,22 @@ def test_the_step_after_an_edit_is_a_fresh_start_from_the_weight(strategy: str, 
         assert torch.equal(bits(got[key]), bits(want[key])), key
 
 
-def test_a_skipped_step_changes_nothing_and_the_edit_is_seen_later() -> None:
-    """A step skipped for a non-finite gradient re-derives nothing (it changes nothing at
-    all); the next step that runs still sees the edit."""
-    model, opt = _make(collage.AdamW, "mixed", "fused", nonfinite="skip")
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_refused_step_changes_nothing_and_the_edit_is_seen_later(policy: str) -> None:
+    """A step skipped for a non-finite gradient, or refused, re-derives nothing (it changes
+    nothing at all); the next step that runs still sees the edit."""
+    model, opt = _make(collage.AdamW, "mixed", "fused", nonfinite=policy)
     _train(model, opt, range(3))
     _zero(model, "mixed")
     before = snapshot(model, opt)
     _grads(model, 3)
     model.weight.grad[0, 0] = float("nan")
-    with pytest.warns(RuntimeWarning, match="skipped step"):
-        opt.step()
+    if policy == "skip":
+        with pytest.warns(RuntimeWarning, match="skipped step"):
+            opt.step()
+    else:
+        with pytest.raises(FloatingPointError, match="nothing was updated"):
+            opt.step()
     after = snapshot(model, opt)
     for key in before:
         assert torch.equal(bits(before[key]), bits(after[key])), key
