@@ -8,9 +8,10 @@ every path (the native and Triton plans included) against:
 
 * the edited weight itself: a step at lr = 0 keeps it (values; a -0.0 can come back as
   +0.0, as torch.optim's own step gives: ``-0 + +0 = +0``);
-* a twin optimizer whose hidden components are written by hand from the edited weight
-  (``HIDDEN_FROM_WEIGHT``, the issue's "master = weight, lo = 0, compensation = 0") and
-  loaded with ``load_state_dict``: the edited run's next step is the twin's, bit for bit.
+* a twin (a copy of the model and optimizer, which trusts the weights as they are) whose
+  hidden components are written by hand from the edited weight (``HIDDEN_FROM_WEIGHT``, the
+  issue's "master = weight, lo = 0, compensation = 0"): the edited run's next steps are the
+  twin's, bit for bit.
 
 And what must not be taken for an edit (a run with no edit, a resume in either order, a
 strategy conversion, ``load_full_precision``) changes nothing: bit for bit the run with the
@@ -239,18 +240,17 @@ def _edited(strategy: str, path: str, edit) -> tuple:
     return model, opt, changed
 
 
-def _twin(strategy: str, path: str, model, opt, changed: list[bool]) -> tuple:
-    """An optimizer over a copy of the edited model whose hidden components are written by
-    hand from the edited weights (those ``changed``), loaded by ``load_state_dict`` (which
-    trusts them)."""
-    twin_model = copy.deepcopy(model)
-    twin_opt = collage.AdamW(twin_model.parameters(), strategy=strategy, lr=LR,
-                             weight_decay=0.1, **PATHS[path])
-    saved = copy.deepcopy(opt.state_dict())
-    for index, (p, edited) in enumerate(zip(twin_model.parameters(), changed)):
-        if edited:
-            saved["state"][index].update(HIDDEN_FROM_WEIGHT[strategy](p.detach()))
-    twin_opt.load_state_dict(saved)
+def _twin(strategy: str, model, opt, changed: list[bool]) -> tuple:
+    """A copy of the edited model and its optimizer (a copy trusts the weights as they are:
+    its parameters are new objects) whose hidden components are written by hand from the
+    edited weights (those ``changed``). Reads nothing through the original optimizer's
+    methods, which would apply its pending re-derivation."""
+    twin_model, twin_opt = copy.deepcopy((model, opt))
+    with torch.no_grad():
+        for p, edited in zip(twin_model.parameters(), changed):
+            if edited:
+                for key, value in HIDDEN_FROM_WEIGHT[strategy](p.detach()).items():
+                    twin_opt.state[p][key].copy_(value)
     return twin_model, twin_opt
 
 
@@ -285,7 +285,7 @@ def test_the_step_after_an_edit_is_a_fresh_start_from_the_weight(strategy: str, 
     back), bit for bit; the moments are kept, as torch.optim keeps them."""
     model, opt, changed = _edited(strategy, path, EDITS[edit])
     assert changed == [True, edit != "pruning mask"]
-    twin_model, twin_opt = _twin(strategy, path, model, opt, changed)
+    twin_model, twin_opt = _twin(strategy, model, opt, changed)
     _train(model, opt, range(3, 5))
     _train(twin_model, twin_opt, range(3, 5))
     want = snapshot(twin_model, twin_opt)
@@ -474,3 +474,23 @@ def test_a_sharded_weight_edited_as_a_dtensor(tmp_path) -> None:
         assert torch.equal(opt.state[param]["master"].full_tensor(), torch.zeros(8, 4))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", HIDDEN)
+def test_a_checkpoint_saved_after_an_edit_keeps_it(strategy: str) -> None:
+    """An edit, then a save before any step: the saved states describe the edited weights
+    (``state_dict`` applies the pending re-derivation), so a resume from that checkpoint
+    starts from them too; ``consolidate`` exports them."""
+    model, opt = _make(collage.AdamW, strategy, "fused")
+    _train(model, opt, range(3))
+    _prune(model, strategy)
+    pruned = model.weight.detach().clone()
+    assert torch.equal(collage.consolidate(model, opt)["weight"], pruned.float())
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    resumed, resumed_opt = _make(collage.AdamW, strategy, "fused")
+    resumed.load_state_dict(saved[0])
+    resumed_opt.load_state_dict(saved[1])
+    _set_lr(resumed_opt, 0.0)
+    _train(resumed, resumed_opt, range(3, 4))
+    assert torch.equal(resumed.weight.detach(), pruned)
+    assert torch.equal(represented(resumed_opt, resumed.weight), pruned.double())

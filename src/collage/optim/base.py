@@ -181,6 +181,13 @@ class CollageOptimizer(Optimizer):
             self.update_stats = stats.to_dict()
         return loss
 
+    def _rederive_pending(self) -> None:
+        """Apply now the re-derivations the next step would make (``edits.py``), so that
+        what is saved or exported beside the weights describes them."""
+        for index, group in enumerate(self.param_groups):
+            self._writes.rederive_pending(get_strategy(group["strategy"]),
+                                          [(p, s) for _, p, s in self._states_of(index)])
+
     def _rederive_edits(self, batches: list[Batch], prepared: list) -> list[bool]:
         """Per group: whether a weight written since our last step had its hidden
         components set from it (``edits.WriteLog.rederive_edited``). A group about to
@@ -363,6 +370,7 @@ class CollageOptimizer(Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         self._convert_strategies()  # the saved states are those of the saved strategies
+        self._rederive_pending()  # ... and describe the weights as edited (edits.py)
         sd = super().state_dict()
         sd["collage"] = {
             "skipped_steps": self.skipped_steps,

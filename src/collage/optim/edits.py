@@ -56,8 +56,8 @@ def hides_weight(strategy: Strategy) -> bool:
     return known
 
 
-#: classes whose version counter and pointer are the weight's own (a DTensor's are its local
-#: shard's: read through ``local``)
+#: classes whose version counter and pointer are the weight's own (a DTensor's:
+#: ``_sharded_mark``)
 _PLAIN = frozenset({torch.nn.Parameter, torch.Tensor})
 
 
@@ -77,6 +77,7 @@ def _sharded_mark(param: torch.Tensor) -> Mark:
     return param._version + shard._version, shard.data_ptr()
 
 
+@torch.no_grad()  # also outside a step (state_dict, consolidate): the weight is a leaf
 def rederive(strategy: Strategy, param: torch.Tensor, state: dict) -> None:
     """Set the components beside the weight from the visible weight, in place: the
     represented value becomes the weight exactly (``Strategy.set_from_full``; the weight
@@ -109,6 +110,18 @@ class WriteLog:
         parameter it has not written yet: its state is made from the weight)."""
         known = self._left.get(id(param))
         return known is not None and known != _mark(param)
+
+    def rederive_pending(self, strategy: Strategy,
+                         states: Iterable[tuple[torch.Tensor, dict]]) -> None:
+        """Re-derive now, and record, the edited parameters among ``(param, state)``
+        pairs (before a save or an export reads the components: they must describe the
+        weights saved beside them)."""
+        if not hides_weight(strategy):
+            return
+        for param, state in states:
+            if state and self.edited(param):
+                rederive(strategy, param, state)
+                self.note((param,))
 
     def rederive_edited(self, strategy: Strategy, items: Iterable[Item],
                         same_pointers: bool = False) -> bool:

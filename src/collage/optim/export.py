@@ -40,6 +40,7 @@ def consolidate(model: torch.nn.Module, optimizer: CollageOptimizer) -> dict[str
     into a float32 copy of the model. Sharded (FSDP2) parameters are gathered on every rank.
     """
     groups = _groups_by_param(optimizer)
+    optimizer._rederive_pending()  # weights edited since the last step: as written
     out: dict[str, torch.Tensor] = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
         group = groups.get(id(tensor))

@@ -179,7 +179,7 @@ class AdamWRule(Rule):
         c = super().coefficients(group, step)
         lr = group["lr"]
         if isinstance(lr, torch.Tensor):
-            c.update(_tensor_lr_coefficients(lr, group["weight_decay"], c["step_size"],
+            c.update(_tensor_lr_coefficients(lr, group["weight_decay"],
                                              1 - group["betas"][0]**step))
         return c
 
@@ -241,7 +241,7 @@ class AdamWRule(Rule):
         _adamw_feed_back(states, error, denom * c["one_minus_beta1"], gain)
 
 
-def _tensor_lr_coefficients(lr: torch.Tensor, weight_decay: float, step_size: float,
+def _tensor_lr_coefficients(lr: torch.Tensor, weight_decay: float,
                             bias_correction1: float) -> dict[str, float]:
     """``decay`` and ``step_size`` as torch.optim.AdamW computes them from a tensor learning
     rate: with tensor operations in the tensor's dtype (``1 - lr * wd`` and ``lr / (1 -
