@@ -11,7 +11,11 @@ or table that goes stale fails CI (issue #25).
   ``tests/optim/test_drop_in.py`` and ``tests/optim/test_torch_conventions.py``);
 * ``lr = 0`` leaves every weight and compensation term bitwise unchanged:
   ``tests/reliability/test_fuzz.py::test_lr_zero_changes_no_weight`` (every rule, strategy
-  and path).
+  and path);
+* docs/reliability.md's table of what is set from an edited weight, against the strategies'
+  declared components (below); that a step at ``lr = 0`` after an edit keeps the edited
+  weights, and each "Weights written between steps" sentence that states a behaviour:
+  ``tests/optim/test_edits.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import pytest
 import torch
 
 import collage
+from collage.optim import get_strategy
 from collage.train.memory import bytes_per_param
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -327,3 +332,24 @@ def test_reliability_quotes_the_hyperparameter_error_as_raised():
     with pytest.raises(ValueError) as error:
         collage.AdamW(None, lr=-1)
     assert str(error.value) == quoted.strip("`")
+
+
+def test_reliability_edit_table_names_what_each_strategy_keeps_beside_the_weight():
+    """Each row's strategies keep exactly the components its second cell names beside the
+    weight (roles master, low, compensation), each set as the third cell says; together
+    the rows name every strategy."""
+    rows = _table_rows((ROOT / "docs" / "reliability.md").read_text(),
+                       "strategy | kept beside the weight")
+    seen = set()
+    for names, kept, set_to in rows:
+        keys = set(re.findall(r"`([a-z_]+)`", kept))
+        for name in _named_strategies(names):
+            strategy = get_strategy(name)
+            declared = {c.key for dtype in strategy.weight_dtypes
+                        for c in strategy.weight_components(dtype)
+                        if c.role in ("master", "low", "compensation")}
+            assert declared == keys, (name, declared, kept)
+            seen.add(name)
+        for key in keys:
+            assert f"`{key} = " in set_to, (names, key)
+    assert seen == set(collage.STRATEGIES)

@@ -38,9 +38,11 @@ def _optimizer(cls, strategy, pairs, path):
     opt = cls([param], lr=0.0, weight_decay=0.1, strategy=strategy, **PATHS[path])
     param.grad = torch.zeros_like(param)
     opt.step()  # makes the state (zero moments), lr = 0 moves nothing
+    assert torch.equal(param.detach(), hi)
     key = "compensation" if strategy == "kahan" else "weight_lo"
+    # only the low part is written: a weight written since the last step would be taken as
+    # the user's edit, its low part re-derived as 0 (optim/edits.py)
     with torch.no_grad():
-        param.copy_(hi)
         opt.state[param][key].copy_(torch.tensor([lo for _, lo in pairs], dtype=BF16))
     return param, opt, key
 

@@ -307,10 +307,14 @@ def test_foreach_and_fused_agree_per_step(strategy: str, backend: str, monkeypat
     identical_steps = 0
     for t, g in enumerate(grads):
         if t:
+            # b starts from a's weight and states: the weight copied, then the states
+            # loaded (a load trusts the weight as it is; a weight written alone would be
+            # an edit, its hidden components re-derived from it: optim/edits.py)
             with torch.no_grad():
                 pb.copy_(pa)
-                for key, value in opt_a.state[pa].items():
-                    opt_b.state[pb][key].copy_(value)
+            loaded = opt_b.state_dict()
+            loaded["state"] = opt_a.state_dict()["state"]
+            opt_b.load_state_dict(loaded)
         before = (pa.detach().double(), _represented(strategy, pa, opt_a) if t else w0.double())
         pa.grad, pb.grad = g.to(dtype), g.to(dtype)
         opt_a.step()

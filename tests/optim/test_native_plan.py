@@ -244,3 +244,31 @@ def test_stochastic_plan_notices_a_new_seed_or_parameter_order(change, planned,
     params, opt = _train("stochastic", True, monkeypatch, change)
     _assert_same(params, opt, *twin)
     assert planned[0] <= plan_steps.count <= planned[1]
+
+
+#: a path flag set on a group after its native steps, and the path it then chooses
+FLAG_CHANGES = [({"foreach": True}, "foreach"), ({"foreach": False}, "per_tensor"),
+                ({"fused": False}, "foreach"), ({"reference": True}, "reference")]
+
+
+@pytest.mark.parametrize(("flags", "path"), FLAG_CHANGES, ids=str)
+def test_a_flag_set_mid_run_leaves_the_plan(flags: dict, path: str) -> None:
+    """Issue #30, item 3: a group's ``foreach``, ``fused`` or ``reference`` set after its
+    steps chooses the path again (the plan was kept: ``last_paths`` said 'native'); the step
+    is that path's, bit for bit a twin's whose plan was dropped before the same change."""
+    runs = []
+    for drop_plans in (False, True):
+        params = _model("plus")
+        opt = collage.AdamW(params, lr=1e-2, strategy="plus", nonfinite="ignore")
+        for step in range(3):
+            for p, g in zip(params, _grads(params, step)):
+                p.grad = g
+            if step == 2:
+                if drop_plans:
+                    for book in opt._books.values():
+                        book.cache.clear()
+                opt.param_groups[0].update(flags)
+            opt.step()
+            assert opt.last_paths == {0: "native" if step < 2 else path}
+        runs.append((params, opt))
+    _assert_same(*runs[0], *runs[1])

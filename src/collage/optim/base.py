@@ -20,6 +20,7 @@ from torch.optim.optimizer import required
 
 from ..metrics import UpdateStats
 from . import convert, dispatch, state_io
+from .edits import WriteLog, hides_weight, rederive
 from .group import GroupStep, Item, check_gradient, local
 from .nonfinite import FiniteProof, all_ranks_max, nonfinite_flag, shard_group
 from .rules import Rule, plain_numbers
@@ -116,6 +117,7 @@ class CollageOptimizer(Optimizer):
         self._next_position = 0
         self._warned = False
         self._finite_proof: FiniteProof | None = None
+        self._writes = WriteLog()  # what each step left in the weights (edits.py)
         defaults = dict(defaults, strategy=strategy, foreach=foreach, fused=fused,
                         reference=reference)
         # as torch.optim: the hyperparameters are checked before ``params`` is read
@@ -308,15 +310,45 @@ class CollageOptimizer(Optimizer):
         # every group is checked before any is stepped: a mismatch changes nothing
         prepared = [(group, dispatch.prepare(step))
                     for (_, group, _), (_, step) in zip(batches, groups)]
+        # after every check (a refused step changes nothing), before any kernel: weights
+        # written since our last step are the ones the step starts from (edits.py)
+        rederived = self._rederive_edits(batches, prepared)
         for group, ready in prepared:
             if ready is not None:
                 self._books[id(group)].path = dispatch.run(ready)
+        self._note_writes(batches, prepared, rederived)
         self._steps_taken += 1
         if stats is not None:
             if sharded is not None:
                 stats.reduce_(sharded)
             self.update_stats = stats.to_dict()
         return loss
+
+    def _rederive_pending(self) -> None:
+        """Apply now the re-derivations the next step would make (``edits.py``), so that
+        what is saved or exported beside the weights describes them."""
+        for index, group in enumerate(self.param_groups):
+            self._writes.rederive_pending(get_strategy(group["strategy"]),
+                                          [(p, s) for _, p, s in self._states_of(group, index)])
+
+    def _rederive_edits(self, batches: list[Batch], prepared: list) -> list[bool]:
+        """Per group: whether a weight written since our last step had its hidden
+        components set from it (``edits.WriteLog.rederive_edited``). A group about to
+        run its plan has had every weight's pointer checked against the plan's table."""
+        return [self._writes.rederive_edited(
+            get_strategy(group["strategy"]), items,
+            same_pointers=ready is not None and ready.plan_grads is not None)
+            for (_, group, items), (_, ready) in zip(batches, prepared)]
+
+    def _note_writes(self, batches: list[Batch], prepared: list, rederived: list[bool]
+                     ) -> None:
+        """Record what this step left in the weights it wrote (``edits.WriteLog``). A group
+        stepped by its plan, nothing re-derived, left them as the check read them (its
+        kernels write through pointers): nothing to record."""
+        for (_, group, items), (_, ready), again in zip(batches, prepared, rederived):
+            unchanged = ready is not None and ready.by_plan and not again
+            if not unchanged and hides_weight(get_strategy(group["strategy"])):
+                self._writes.note(item.param for item in items)
 
     def _group_step(self, index: int, group: dict, items: list[Item],
                     stats: UpdateStats | None) -> GroupStep:
@@ -373,8 +405,11 @@ class CollageOptimizer(Optimizer):
         positions = self._parameter_positions()
         for index, group, old, new in pending:
             for _, param, state in self._states_of(group, index):
+                if hides_weight(old) and self._writes.edited(param):  # from the edit
+                    rederive(old, param, state)
                 self.state[param] = convert.convert(self.rule, old, new, param, state,
                                                     self.seed, positions[id(param)])
+                self._writes.note((param,))
             book = self._books[id(group)]
             book.strategy, book.cache = new.name, {}
 
@@ -512,6 +547,7 @@ class CollageOptimizer(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         self._check_membership()
         self._convert_strategies()  # the saved states are those of the saved strategies
+        self._rederive_pending()  # ... and describe the weights as edited (edits.py)
         sd = super().state_dict()
         sd["collage"] = {
             "skipped_steps": self.skipped_steps,
@@ -540,6 +576,9 @@ class CollageOptimizer(Optimizer):
         for book in self._books.values():
             book.cache = {}
         state_io.load(self, state_dict)
+        # the loaded states describe the weights they were saved with, whichever of the
+        # model and the optimizer is loaded first: the next step trusts the weights
+        self._writes.forget()
         # the loaded groups are new dicts over the same parameters: new books, the paths
         # kept by index (the same groups)
         self._books = {id(group): _GroupBook.of(group, path)
@@ -577,6 +616,7 @@ class CollageOptimizer(Optimizer):
         self._positions = {id(param): position for param, position in positions or ()}
         self._warned = False
         self._finite_proof = None
+        self._writes = WriteLog()  # the copy's parameters are new objects
 
 
 #: torch.optim's keywords whose True is not implemented, and why

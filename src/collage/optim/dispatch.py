@@ -95,12 +95,15 @@ def _native_covers(group: GroupStep) -> bool:
 @dataclass
 class Prepared:
     """A group's step, checked and ready to run: its path, and its entries or the native
-    or Triton plan's gradient pointers."""
+    or Triton plan's gradient pointers. ``by_plan``: set by :func:`run` when the plan
+    stepped the group (its kernels wrote through pointers: no weight's version counter
+    moved)."""
 
     group: GroupStep
     path: str
     entries: list[Entry] = field(default_factory=list)
     plan_grads: array | list[int] | None = None
+    by_plan: bool = False
 
 
 def prepare(group: GroupStep) -> Prepared | None:
@@ -124,6 +127,7 @@ def run(prepared: Prepared) -> str:
     group = prepared.group
     if prepared.plan_grads is not None:
         if _PLANNED[prepared.path](group, prepared.plan_grads):
+            prepared.by_plan = True
             return prepared.path
         prepared = prepare(group)  # a step counter was changed in place since
     _RUNNERS[prepared.path](group, prepared.entries)

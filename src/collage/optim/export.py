@@ -40,6 +40,7 @@ def consolidate(model: torch.nn.Module, optimizer: CollageOptimizer) -> dict[str
     into a float32 copy of the model. Sharded (FSDP2) parameters are gathered on every rank.
     """
     groups = _groups_by_param(optimizer)
+    optimizer._rederive_pending()  # weights edited since the last step: as written
     out: dict[str, torch.Tensor] = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
         group = groups.get(id(tensor))
@@ -88,6 +89,7 @@ def load_full_precision(model: torch.nn.Module, optimizer: CollageOptimizer,
         local_param = _local(param)
         wide = _local_slice(value, param).to(device=local_param.device, dtype=torch.float64)
         strategy.set_from_full(local_param, {k: _local(v) for k, v in state.items()}, wide)
+        optimizer._writes.note((param,))  # set with its components: not an edit (edits.py)
     for name, buffer in model.named_buffers():
         if name in state_dict:
             buffer.copy_(state_dict[name])

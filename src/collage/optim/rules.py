@@ -215,6 +215,14 @@ class AdamWRule(Rule):
             "bias_correction2_sqrt_next": _sqrt(1 - beta2**(step + 1)),
         }
 
+    def coefficients(self, group: Mapping, step: int) -> dict[str, float]:
+        c = super().coefficients(group, step)
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            c.update(_tensor_lr_coefficients(lr, group["weight_decay"],
+                                             1 - group["betas"][0]**step))
+        return c
+
     def fast(self, weight, grad, states, c):
         # The same operations, in the same order, as torch.optim.AdamW's single-tensor path,
         # so the fp32 strategy reproduces it bit for bit.
@@ -271,6 +279,21 @@ class AdamWRule(Rule):
             denom = states["exp_avg_sq"].sqrt() / c["bias_correction2_sqrt_next"] + c["eps"]
             gain = _feedback_gain(c["step_size_next"], c["beta1"])
         _adamw_feed_back(states, error, denom * c["one_minus_beta1"], gain)
+
+
+def _tensor_lr_coefficients(lr: torch.Tensor, weight_decay: float,
+                            bias_correction1: float) -> dict[str, float]:
+    """``decay`` and ``step_size`` as torch.optim.AdamW computes them from a tensor learning
+    rate: with tensor operations in the tensor's dtype (``1 - lr * wd`` and ``lr / (1 -
+    beta1**t)`` each rounded to float32 for a float32 ``lr``), where a Python float ``lr``
+    gives float64 values rounded once. The same operations on the same values: the fp32
+    strategy stays torch's bit for bit with a tensor ``lr`` too. ``lr_wd`` stays float64
+    (``Strategy.land``: the digits of a small decay that ``1 - decay`` would lose)."""
+    lr = lr.detach().to("cpu").reshape(())
+    out = {"step_size": float(lr / bias_correction1)}
+    if weight_decay != 0:  # torch decays only then (and 1 - lr * 0 is 1 in any dtype)
+        out["decay"] = float(1 - lr * weight_decay)
+    return out
 
 
 def _adamw_feed_back(states: dict, error, denom, gain) -> None:

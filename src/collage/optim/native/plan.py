@@ -16,7 +16,8 @@ what can change between steps:
   fail the check);
 * the gradient's pointer is read into the table (``zero_grad(set_to_none=True)`` makes new
   gradients every step);
-* the group's strategy is the plan's;
+* the group's strategy and its path flags (``foreach``, ``fused``, ``reference``,
+  ``capturable``) are the plan's: a flag set since chooses the path again;
 * ``stochastic``: the seed and parameter positions are those the plan keyed its rows with.
   Each row keeps ``draws.mix``'s state after the seed and the position, and C mixes the
   step in (``collage_stochastic_keys``) instead of Python.
@@ -57,7 +58,7 @@ class NativePlan:
     docstring). Build with :meth:`build` after a general native step; :meth:`step` runs
     the next step or returns False having changed nothing."""
 
-    __slots__ = ("lib", "strategy", "params", "states", "keys", "pointers", "table",
+    __slots__ = ("lib", "strategy", "flags", "params", "states", "keys", "pointers", "table",
                  "counters", "step_value", "grad_dtype", "key_states", "key_of")
 
     def __init__(self) -> None:  # use build()
@@ -86,6 +87,7 @@ class NativePlan:
         plan = cls()
         plan.lib = lib
         plan.strategy = group.strategy
+        plan.flags = _flags(group)
         if group.strategy.draws:  # draws.mix's state before the step, per row
             positions = tuple(entry.item.position for entry in entries)
             plan.key_states = array("Q", [mix_state(MIX_START, group.seed, p)
@@ -106,7 +108,7 @@ class NativePlan:
         checks of the module docstring), else None. Changes nothing."""
         items = group.items
         if (len(items) != len(self.params) or self.step_value >= _MAX_STEP
-                or group.strategy is not self.strategy):
+                or group.strategy is not self.strategy or _flags(group) != self.flags):
             return None
         if self.key_of is not None and self.key_of != (
                 group.seed, tuple(item.position for item in items)):
@@ -150,6 +152,13 @@ class NativePlan:
                 return None
             grads.append(grad.data_ptr())
         return grads
+
+
+def _flags(group: GroupStep) -> tuple:
+    """What ``dispatch.choose`` chose the path from besides the tensors: a change of any
+    sends the step to the general path, which chooses again."""
+    return (group.foreach, group.fused, group.reference,
+            bool(group.hyper.get("capturable", False)))
 
 
 def _plannable(entry: Entry, first: Entry) -> bool:

@@ -15,8 +15,9 @@ optimizer states. It declares
 * how the rule's states are read and written (:meth:`Strategy.load_states`,
   :meth:`Strategy.store_states`);
 * what it **represents** exactly (:meth:`Strategy.represented_parts`) and how it is set from
-  a full-precision value (:meth:`Strategy.set_from_full`): ``collage.consolidate`` and
-  ``collage.load_full_precision``;
+  a full-precision value (:meth:`Strategy.set_from_full`): ``collage.consolidate``,
+  ``collage.load_full_precision``, and a weight edited between steps (``optim/edits.py``:
+  the components beside it set from it);
 * its **native code** (the C kernels' strategy number), or None where it has none.
 
 The subclasses in this package (one module per strategy) override only what differs from

@@ -1,0 +1,149 @@
+"""Weights changed outside the optimizer: seen, and the hidden components re-derived.
+
+A strategy that keeps something beside the visible weight (``mixed``'s float32 master, the
+low part of ``light``/``plus``/``plus8``'s pair, ``kahan``'s compensation, ``split``'s low
+bits: the components of role ``master``, ``low`` or ``compensation``) represents a value the
+weight alone does not show. When the user writes the weight (``w.zero_()`` under
+``no_grad``, ``model.load_state_dict``, a pruning mask ``w.mul_(mask)``, EMA weights swapped
+in with ``w.copy_(...)``, ``w.data = t``), those components describe the old weight, and a
+step would start from them: the edit would be undone. torch.optim keeps no such state, so
+its next step starts from the weight as the user left it; so does ours:
+
+* after every step, :class:`WriteLog` records per parameter what the optimizer left: the
+  weight's version counter and its data pointer, read after the step's own writes (torch's
+  in-place ops bump the counter, the native C and Triton kernels write through pointers and
+  do not: reading it afterwards covers both);
+* before the next step's kernels run (after every check, so that a refused step changes
+  nothing), a parameter whose counter or pointer differs was written by someone else: its
+  hidden components are set from the visible weight with the strategy's own inverse,
+  ``Strategy.set_from_full(weight, state, weight)``: ``master = weight``, ``lo = 0``,
+  ``compensation = 0``, ``split``'s low bits 0. The represented value is then the weight
+  exactly, and a step at lr = 0 keeps it bit for bit. The rule's states (moments) are kept,
+  as torch.optim keeps them.
+
+In place, so the native and Triton plans (which check data pointers) stay valid and read
+the new values. Strategies with nothing beside the weight are not walked at all. What is
+not seen (a write through ``.data``, which has its own version counter, or through another
+library's view of the memory) is in ``docs/reliability.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from .group import Item, local
+from .strategies import Strategy
+
+__all__ = ["WriteLog", "hides_weight", "rederive"]
+
+#: the roles of components that describe the weight beside the visible one
+_HIDDEN_ROLES = frozenset({"master", "low", "compensation"})
+
+Mark = tuple[int, int]
+
+
+def hides_weight(strategy: Strategy) -> bool:
+    """Whether ``strategy`` keeps a component that describes the weight beside it (read
+    from its declared components, kept on the strategy object)."""
+    known = strategy.__dict__.get("_hides_weight")
+    if known is None:
+        known = any(component.role in _HIDDEN_ROLES
+                    for dtype in strategy.weight_dtypes
+                    for component in strategy.weight_components(dtype))
+        strategy.__dict__["_hides_weight"] = known
+    return known
+
+
+#: classes whose version counter and pointer are the weight's own (a DTensor's:
+#: ``_sharded_mark``)
+_PLAIN = frozenset({torch.nn.Parameter, torch.Tensor})
+
+
+def _mark(param: torch.Tensor) -> Mark:
+    """What a write changes: the version counter (every in-place torch op bumps it) and the
+    data pointer (``p.data = t`` keeps the counter)."""
+    if param.__class__ in _PLAIN:
+        return param._version, param.data_ptr()
+    return _sharded_mark(param)
+
+
+def _sharded_mark(param: torch.Tensor) -> Mark:
+    """A DTensor's mark: an in-place op on the DTensor bumps its own counter, one on its
+    local shard (the optimizer's kernels) the shard's; both only grow, so their sum is
+    unchanged exactly when neither moved. The pointer is the shard's."""
+    shard = local(param)
+    return param._version + shard._version, shard.data_ptr()
+
+
+@torch.no_grad()  # also outside a step (state_dict, consolidate): the weight is a leaf
+def rederive(strategy: Strategy, param: torch.Tensor, state: dict) -> None:
+    """Set the components beside the weight from the visible weight, in place: the
+    represented value becomes the weight exactly (``Strategy.set_from_full``; the weight
+    itself is written with its own value)."""
+    weight = local(param)
+    parts = {key: local(value) for key, value in state.items()
+             if isinstance(value, torch.Tensor)}
+    strategy.set_from_full(weight, parts, weight.double())
+
+
+class WriteLog:
+    """Per parameter (by identity), the mark the optimizer's last write left."""
+
+    __slots__ = ("_left",)
+
+    def __init__(self) -> None:
+        self._left: dict[int, Mark] = {}
+
+    def forget(self) -> None:
+        """Trust the weights as they are (a fresh ``load_state_dict``: the loaded states
+        describe the weights they were saved with)."""
+        self._left.clear()
+
+    def note(self, params: Iterable[torch.Tensor]) -> None:
+        """Record the marks the optimizer leaves in ``params`` (after its writes)."""
+        self._left.update({id(param): _mark(param) for param in params})
+
+    def edited(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` was written since the optimizer last left it (never for a
+        parameter it has not written yet: its state is made from the weight)."""
+        known = self._left.get(id(param))
+        return known is not None and known != _mark(param)
+
+    def rederive_pending(self, strategy: Strategy,
+                         states: Iterable[tuple[torch.Tensor, dict]]) -> None:
+        """Re-derive now, and record, the edited parameters among ``(param, state)``
+        pairs (before a save or an export reads the components: they must describe the
+        weights saved beside them)."""
+        if not hides_weight(strategy):
+            return
+        for param, state in states:
+            if state and self.edited(param):
+                rederive(strategy, param, state)
+                self.note((param,))
+
+    def rederive_edited(self, strategy: Strategy, items: Iterable[Item],
+                        same_pointers: bool = False) -> bool:
+        """Re-derive the hidden components of the edited parameters among ``items``;
+        returns whether there was one. Per item an identity lookup and one or two integer
+        reads (this runs every step: no function call per item). ``same_pointers``: every
+        weight is known to have the pointer recorded (a native or Triton plan checked them
+        against its table, made when they were recorded): only the counters are read."""
+        if not hides_weight(strategy):
+            return False
+        get, plain, found = self._left.get, _PLAIN, False
+        for item in items:
+            param = item.param
+            known = get(id(param))
+            if known is None:
+                continue
+            if param.__class__ in plain:
+                moved = known[0] != param._version or (
+                    not same_pointers and known[1] != param.data_ptr())
+            else:
+                moved = known != _sharded_mark(param)
+            if moved and item.state:
+                rederive(strategy, param, item.state)
+                found = True
+        return found
