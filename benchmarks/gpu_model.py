@@ -405,6 +405,7 @@ class Row:
     predicted_1b: float
     predicted_100m: float
     predicted_1b_no_overlap: float
+    host_seconds: float  # added to the 100M step (this machine's, launches stubbed)
 
 
 def model_rows(archs: list[int], revision: str | None, host: dict[str, float] | None,
@@ -435,7 +436,7 @@ def model_rows(archs: list[int], revision: str | None, host: dict[str, float] | 
                 round(per_element, 2), memory_ops(opcodes), nbytes, looped,
                 round(predict(gpu, n_1b, nbytes, per_element, looped, check), 3),
                 round(predict(gpu, n_100m, nbytes, per_element, looped, check, host_s), 3),
-                round(predict(gpu, n_1b, nbytes, per_element, False, check), 3)))
+                round(predict(gpu, n_1b, nbytes, per_element, False, check), 3), host_s))
         for name, function_, signature, nbytes in calibration_kernels() if calibration else []:
             sass = read_sass(_compile_plain(function_, signature, arch))
             opcodes = fast_path(sass)
@@ -445,7 +446,7 @@ def model_rows(archs: list[int], revision: str | None, host: dict[str, float] | 
                             round(per_element, 2), memory_ops(opcodes), nbytes, False,
                             round(predict(gpu, n_1b, nbytes, per_element, False), 3),
                             round(predict(gpu, n_100m, nbytes, per_element, False), 3),
-                            round(predict(gpu, n_1b, nbytes, per_element, False), 3)))
+                            round(predict(gpu, n_1b, nbytes, per_element, False), 3), 0.0))
     return rows
 
 
@@ -483,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--revision", default=None,
                         help="compile kernels.py as it was at this git revision")
     parser.add_argument("--json", action="store_true", help="a JSON list, one object a row")
+    parser.add_argument("--markdown", default=None, metavar="PATH",
+                        help="also write the markdown table to PATH")
     parser.add_argument("--no-host", action="store_true", help="leave the host time out")
     parser.add_argument("--default-only", action="store_true",
                         help="only the default configuration's variants")
@@ -499,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = model_rows(_archs(args.arch), args.revision, host,
                       args.default_only, names(args.rules), names(args.strategies))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rows, host) + "\n")
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=1))
     else:
