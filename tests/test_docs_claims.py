@@ -353,3 +353,14 @@ def test_reliability_edit_table_names_what_each_strategy_keeps_beside_the_weight
         for key in keys:
             assert f"`{key} = " in set_to, (names, key)
     assert seen == set(collage.STRATEGIES)
+
+
+def test_the_study_s_records_are_not_ignored_by_git():
+    """docs/study.md says the finished runs' records are committed under
+    docs/reports/study/runs/; an ignore rule matching them (``runs/`` did) makes that
+    silently false (issue #33)."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    done = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q",
+                           "docs/reports/study/runs/any-run/result.json"], check=False)
+    assert done.returncode == 1  # 1: not ignored; 0: ignored
