@@ -5,9 +5,8 @@ The kernels cover AdamW, SGD and Lion under every strategy with a landing in
 ``layout.LANDINGS`` (by ``Strategy.native_code``; plus8's block-scaled 8-bit moments and
 feedback's error feedback are not among them: their groups take the compiled path), weights
 of the strategy's dtypes whose components are float32, bf16, fp16 or int16 (stochastic
-rounding: bf16 weights). They run
-on CUDA tensors, and on CPU tensors through Triton's interpreter (``TRITON_INTERPRET=1``:
-slow, for tests). Measured steps (``track_updates``) run the compiled kernels.
+rounding: bf16 weights). They run on CUDA tensors, and on CPU tensors through Triton's
+interpreter (``TRITON_INTERPRET=1``: slow, for tests). Measured steps (``track_updates``) run the compiled kernels.
 
 A step with the non-finite check's verdict left on the device (``group.found_nonfinite``:
 the default) and a capturable step (``capturable=True``) keep the step counters on the
