@@ -71,6 +71,7 @@ def measure(size: str, strategy: str, rounds: int) -> dict:
            "ignore_ms": 1e3 * statistics.median(times["ignore"]),
            "difference_ms": 1e3 * statistics.median(
                a - b for a, b in zip(times["skip"], times["ignore"])),
+           "check_calls": len(checks),
            "check_ms": 1e3 * statistics.median(checks) if checks else None,
            "check_GBps": 2 * n / statistics.median(checks) / 1e9 if checks else None}
     del opt, params
