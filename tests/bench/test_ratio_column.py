@@ -108,3 +108,19 @@ def test_paired_median_and_ratio_of_medians_share_the_range():
         of_medians = paired["baseline_median_s"] / statistics.median(cand)
         assert lo <= paired["speedup_vs_torch_fused"] <= hi
         assert lo * (1 - 1e-12) <= of_medians <= hi * (1 + 1e-12)
+
+
+def test_the_recorded_command_runs_again():
+    """The markdown's command parses back to the same run (an empty ``--baselines`` was
+    written as nothing, and the next flag became its value)."""
+    import argparse
+    import shlex
+
+    parser = argparse.ArgumentParser()
+    optimizer.register(parser.add_subparsers())
+    argv = ["optimizer", "--size", "small", "--baselines", "", "--nonfinite", "",
+            "--strategies", "plus"]
+    words = optimizer._command(parser.parse_args(argv))
+    again = parser.parse_args(["optimizer", *shlex.split(" ".join(words))])
+    assert again.baselines == "" and again.nonfinite == "" and again.strategies == "plus"
+    assert again.foreach_max == 2e6

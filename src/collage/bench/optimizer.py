@@ -201,9 +201,9 @@ def _command(args: argparse.Namespace) -> list[str]:
     if args.paths != ",".join(DEFAULT_PATHS):
         words.append(f"--paths {args.paths}")
     if args.baselines != ",".join(BASELINES):
-        words.append(f"--baselines {args.baselines}")
+        words.append(f"--baselines {args.baselines or chr(34) * 2}")  # "": none
     if args.nonfinite != ",".join(NONFINITE):
-        words.append(f"--nonfinite {args.nonfinite}")
+        words.append(f"--nonfinite {args.nonfinite or chr(34) * 2}")
     words += [f"--foreach-max {args.foreach_max:g}", f"--reference-max {args.reference_max:g}",
               f"--slow-repeats {args.slow_repeats}"]
     if args.start_step:
