@@ -78,3 +78,26 @@ def test_optimizer_skips_and_raises_with_the_native_check(monkeypatch) -> None:
     with pytest.raises(FloatingPointError, match="nothing was updated"):
         raising.step()
     assert seen == [True, False, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_verdict_is_torchs_for_every_exponent_and_bit_pattern(dtype) -> None:
+    """The kernel's test on the magnitude's bit pattern (>= the exponent mask) against
+    torch's verdict: every bf16 pattern; for float32 every exponent and sign with the
+    mantissas at its edges (quiet and signalling nan payloads, the largest finite value)."""
+    if dtype == torch.bfloat16:
+        patterns = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16)
+        values = patterns.view(torch.bfloat16)
+    else:
+        exponents = torch.arange(256, dtype=torch.int64) << 23
+        mantissas = torch.tensor([0, 1, 2**21, 2**22, 2**22 + 1, 2**23 - 1], dtype=torch.int64)
+        magnitudes = (exponents[:, None] | mantissas[None, :]).flatten()
+        bits = torch.cat([magnitudes, magnitudes | 2**31])
+        values = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(
+            torch.float32)
+    body = torch.ones(96, dtype=dtype)  # the pattern inside the vectorised loop's body
+    want = ~torch.isfinite(values)
+    for value, bad in zip(values, want.tolist()):
+        body[45] = value
+        assert native.any_nonfinite([body], threads=1) is bad, value.view(
+            torch.int16 if dtype == torch.bfloat16 else torch.int32).item()

@@ -7,8 +7,10 @@ Per size (a GPT-2-style list of tensors, :func:`common.gpt_shapes`): the baselin
 ``a.add_(b)`` on float32 tensors of one element per parameter) live for the whole size; each
 candidate is built, warmed up (the first step compiles), then timed round after round with
 the baseline and the probes, the order rotating each round, so that a machine whose load
-changes affects all of them alike. Speed-ups are medians of the paired ratios; the roofline
-uses the bandwidth measured in the same rounds. The candidate is freed before the next one
+changes affects all of them alike. Speed-ups are medians of the paired ratios (the
+baseline's step over the candidate's, in one round), reported beside the baseline's median in
+the same rounds (:func:`_paired`); the roofline uses the bandwidth measured in the same
+rounds. The candidate is freed before the next one
 is built.
 """
 
@@ -213,6 +215,23 @@ def _speed_row(nbytes: float, n: int, t: dict[str, float], bandwidth: float) -> 
     }
 
 
+def _paired(base: list[float], cand: list[float]) -> dict:
+    """The row's speed-up against the baseline timed in the same rounds: the median of the
+    per-round ratios, their range, and the baseline's median over those rounds.
+
+    What the ratio column can be compared with: the baseline's median *in the same rounds*
+    (``baseline_median_s``), not the baseline row's median over every round of the size,
+    which moves with the machine's load from one candidate's rounds to the next (#31: a
+    plus row at 68.1 ms whose rounds saw the baseline at about 100 ms, not the 50.4 ms of
+    the baseline row, printed 1.48). The median of the ratios and the ratio of the medians
+    both lie in ``speedup_range`` (each round has ``b >= lo * c``, so ``median(b) >= lo *
+    median(c)``; likewise ``hi``): they differ by at most its width."""
+    ratios = [b / c for b, c in zip(base, cand)]
+    return {"baseline_median_s": statistics.median(base),
+            "speedup_vs_torch_fused": statistics.median(ratios),
+            "speedup_range": [min(ratios), max(ratios)]}
+
+
 def _measure_candidate(cand: Candidate, size: str, shapes, n: int, base: _Baseline,
                        settings: Settings) -> dict:
     """One candidate's row: built, warmed up, then timed interleaved with the baseline."""
@@ -236,9 +255,7 @@ def _measure_candidate(cand: Candidate, size: str, shapes, n: int, base: _Baseli
         "cpu_time_median_s": statistics.median(times["c_cpu"]),
         **_speed_row(BYTES[cand.bytes_key].total, n, t,
                      base.probes.bandwidth(times["copy"], times["add"])),
-        "baseline_median_s": statistics.median(times["b"]),
-        "speedup_vs_torch_fused": statistics.median(
-            b / c for b, c in zip(times["b"], times["c"])),
+        **_paired(times["b"], times["c"]),
         "speedup_vs_torch_fused_cpu": statistics.median(
             b / max(c, 1e-9) for b, c in zip(times["b_cpu"], times["c_cpu"])),
     }
@@ -261,7 +278,7 @@ def _baseline_row(size: str, n: int, base: _Baseline) -> dict | None:
         "size": size, "n_params": n, "key": BASELINE_KEY,
         "label": "torch.optim.AdamW(fused) fp32", "path": None, "strategy": None,
         **_speed_row(BYTES[BASELINE_KEY].total, n, t, bandwidth),
-        "baseline_median_s": t["median"],
+        "baseline_median_s": t["median"], "speedup_range": [1.0, 1.0],
         "speedup_vs_torch_fused": 1.0, "speedup_vs_torch_fused_cpu": 1.0,
     }
 

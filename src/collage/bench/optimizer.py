@@ -46,6 +46,14 @@ __all__ = ["register", "run", "Candidate", "candidates", "table", "markdown"]
 # ---------------------------------------------------------------------------------------
 
 
+#: what the ratio column is (printed under every table)
+RATIO_NOTE = (
+    "x torch fused: the median over the row's rounds of torch's fused step time over the "
+    "row's, both timed in the same round; the torch fused row's median is over every round "
+    "of the size, so compare a row's ratio with its own same-rounds column (the two agree "
+    "within the spread of the per-round ratios, `speedup_range` in the JSON).")
+
+
 def _fmt_ms(seconds: float) -> str:
     ms = seconds * 1e3
     return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
@@ -61,8 +69,9 @@ def table(result: dict) -> str:
                      f"{block['n_tensors']} tensors ({', '.join(b for b in bw if b)})")
         lines.append("")
         lines.append("| optimizer | B/param | median ms | p90 ms | ns/param | GB/s | "
-                     "roofline | x torch fused | x torch fused (CPU time) |")
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+                     "roofline | torch fused ms, same rounds | x torch fused | "
+                     "x torch fused (CPU time) |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in block["rows"]:
             t = r["time_s"]
             # a step counter --start-step could not set: this row timed a fresh optimizer
@@ -71,8 +80,9 @@ def table(result: dict) -> str:
                 f"| {r['label']}{late} | {r['bytes_per_param']} | {_fmt_ms(t['median'])} | "
                 f"{_fmt_ms(t['p90'])} | {r['ns_per_param']['median']:.3g} | "
                 f"{r['GBps']:.2f} | {100 * r['roofline_fraction']:.0f}% | "
+                f"{_fmt_ms(r['baseline_median_s'])} | "
                 f"{r['speedup_vs_torch_fused']:.3g} | {r['speedup_vs_torch_fused_cpu']:.3g} |")
-        lines.append("")
+        lines += ["", RATIO_NOTE, ""]
     if result.get("compile"):
         c = result["compile"]
         lines.append("### First step (compilation), fresh processes, `small` size")
@@ -191,9 +201,9 @@ def _command(args: argparse.Namespace) -> list[str]:
     if args.paths != ",".join(DEFAULT_PATHS):
         words.append(f"--paths {args.paths}")
     if args.baselines != ",".join(BASELINES):
-        words.append(f"--baselines {args.baselines}")
+        words.append(f"--baselines {args.baselines or chr(34) * 2}")  # "": none
     if args.nonfinite != ",".join(NONFINITE):
-        words.append(f"--nonfinite {args.nonfinite}")
+        words.append(f"--nonfinite {args.nonfinite or chr(34) * 2}")
     words += [f"--foreach-max {args.foreach_max:g}", f"--reference-max {args.reference_max:g}",
               f"--slow-repeats {args.slow_repeats}"]
     if args.start_step:

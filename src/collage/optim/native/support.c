@@ -84,18 +84,31 @@ void collage_stochastic_keys(int64_t count, int64_t *table, const uint64_t *stat
 /* the non-finite check of nonfinite="skip"/"raise": does any element overflow?          */
 /* ------------------------------------------------------------------------------------ */
 
-/* 1 if any of x[begin, end) is inf or nan: the exponent field all ones. Branch-free, so the
- * compiler vectorises it; the whole span is read (no early exit: the verdict is rare). */
+/* 1 if any of x[begin, end) is inf or nan: the exponent field all ones. With the sign bit
+ * cleared, exactly those bit patterns are >= the exponent mask (0x7F80 for bf16,
+ * 0x7F800000 for float32: every pattern from there up has all exponent bits set), so the
+ * verdict is the largest magnitude pattern against the mask: one AND and one unsigned max
+ * per element in the element's own width (vpand, vpmaxuw), where a compare per element
+ * widened to 32-bit flags cost about a fifth more of the check at 111M parameters on a
+ * 2-vCPU Xeon (#31). Branch-free; the whole span is read (no early exit: the verdict is
+ * rare). */
 static int span_nonfinite(const void *x, int wide, int64_t begin, int64_t end) {
-    unsigned bad = 0;
     if (wide) {
         const uint32_t *u = (const uint32_t *)x;
-        for (int64_t i = begin; i < end; i++) bad |= (u[i] & 0x7F800000u) == 0x7F800000u;
-    } else {
-        const uint16_t *h = (const uint16_t *)x;
-        for (int64_t i = begin; i < end; i++) bad |= (h[i] & 0x7F80u) == 0x7F80u;
+        uint32_t top = 0;
+        for (int64_t i = begin; i < end; i++) {
+            uint32_t a = u[i] & 0x7FFFFFFFu;
+            top = a > top ? a : top;
+        }
+        return top >= 0x7F800000u;
     }
-    return bad != 0;
+    const uint16_t *h = (const uint16_t *)x;
+    uint16_t top = 0;
+    for (int64_t i = begin; i < end; i++) {
+        uint16_t a = (uint16_t)(h[i] & 0x7FFFu);
+        top = a > top ? a : top;
+    }
+    return top >= 0x7F80u;
 }
 
 /* Elements [lo, hi) of the tensors laid end to end (``table``: pointer, length pairs). */

@@ -1,0 +1,26 @@
+"""benchmarks/check_cost.py: the policy switch reaches the step (the check runs on the
+"skip" steps only, once each) and the timed check is put back."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from collage.optim import native
+from collage.optim import nonfinite as nonfinite_module
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "check_cost.py"
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+def test_check_runs_on_the_skip_steps_only() -> None:
+    spec = importlib.util.spec_from_file_location("check_cost", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    check = nonfinite_module.any_nonfinite
+    row = module.measure("small", "plus", rounds=3)
+    assert nonfinite_module.any_nonfinite is check
+    assert row["path"] == "native" and row["check_calls"] == 3
+    assert row["skip_ms"] > 0 and row["ignore_ms"] > 0 and row["check_ms"] > 0
