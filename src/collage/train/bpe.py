@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
-from ..optim.native.cache import (_make_private_dir, _not_private_file, _record_of, _warn_once,
-                                  install, new_file)
+from ..private_files import (install, make_private_dir, new_file, not_private_file,
+                             record_of, warn_once)
 
 __all__ = ["bpe_encode", "cache_dir"]
 
@@ -50,6 +50,8 @@ __all__ = ["bpe_encode", "cache_dir"]
 #: piece per file of the standard library would also do; fixed pieces work for any text).
 _PIECE = 1 << 16
 _CACHE_FORMAT = 1
+#: the prefix of the cache's temporary files (``.bpe-...``, renamed once complete)
+_PREFIX = "bpe-"
 
 
 def cache_dir() -> str:
@@ -115,12 +117,12 @@ def _private_dir() -> Path | None:
     warning naming it and why)."""
     path = Path(cache_dir())
     try:
-        reason = _make_private_dir(path)
+        reason = make_private_dir(path)
     except OSError as error:
         reason = f"{path} cannot be created ({error.strerror})"
     if reason is None:
         return path
-    _warn_once(f"not caching BPE token ids in {path}: {reason}; tokenizing without the "
+    warn_once(f"not caching BPE token ids in {path}: {reason}; tokenizing without the "
                "cache instead (to cache again, fix that, e.g. chmod 700, or set "
                "COLLAGE_CACHE_DIR to a private directory)")
     return None
@@ -129,10 +131,10 @@ def _private_dir() -> Path | None:
 def _ours(path: Path) -> bool:
     """Whether the entry ``path`` and its record, where they exist, are files no one else can
     write (else one warning: they are left alone and not used)."""
-    for file in (path, _record_of(path)):
-        reason = _not_private_file(file)
+    for file in (path, record_of(path)):
+        reason = not_private_file(file)
         if reason is not None:
-            _warn_once(f"not loading the BPE token cache {path}: {reason}; tokenizing without "
+            warn_once(f"not loading the BPE token cache {path}: {reason}; tokenizing without "
                        "the cache instead (remove the file to cache again)")
             return False
     return True
@@ -142,13 +144,13 @@ def _cached(path: Path, key: str) -> dict | None:
     """The cache entry at ``path`` if its bytes have the recorded SHA-256, it loads and it
     holds ``key``; None otherwise (a digest mismatch warns once)."""
     try:
-        recorded = _record_of(path).read_text().strip()
+        recorded = record_of(path).read_text().strip()
         data = path.read_bytes()
     except FileNotFoundError:  # no entry, or one written before records: rebuilt silently
         return None
     actual = hashlib.sha256(data).hexdigest()
     if actual != recorded:
-        _warn_once(f"rebuilding the BPE token cache {path}: its SHA-256 {actual[:12]}... is "
+        warn_once(f"rebuilding the BPE token cache {path}: its SHA-256 {actual[:12]}... is "
                    f"not the {recorded[:12]}... recorded when it was written")
         return None
     try:  # the bytes just hashed: nothing can change between the check and the load
@@ -160,13 +162,13 @@ def _cached(path: Path, key: str) -> dict | None:
 
 def _store(entry: dict, path: Path) -> None:
     """Write ``entry`` to a new 0600 file beside ``path``, record its SHA-256, rename."""
-    built = new_file(path.parent)
+    built = new_file(path.parent, _PREFIX)
     try:
         with open(built, "wb") as handle:
             torch.save(entry, handle)
             handle.flush()
             os.fsync(handle.fileno())
-        install(built, path)
+        install(built, path, _PREFIX)
     finally:
         if built.exists():
             built.unlink()

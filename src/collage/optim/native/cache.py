@@ -31,34 +31,27 @@ the directory or any directory above it.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import os
 import shutil
-import stat
 import tempfile
-import warnings
 from pathlib import Path
+
+from ... import private_files
+from ...private_files import (forget_warnings, make_private_dir, not_private_dir,
+                              not_private_file, record_of, sha256, warn_once)
 
 __all__ = ["build_dir", "trusted_target", "unchanged", "new_file", "install", "reset",
            "PREFIX"]
 
 #: the prefix of the library's files (the cache key follows); temporaries start with "."
 PREFIX = "native_adamw-"
-_WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
 _own_dir: Path | None = None  # this process's mkdtemp directory, once one was needed
-_warned: set[str] = set()
 
 
 def reset() -> None:
     """Forget the warnings given (tests: a new environment). The process's own directory,
     once made, stays its own until exit."""
-    _warned.clear()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(f"collage: {message}", RuntimeWarning, stacklevel=2)
+    forget_warnings()
 
 
 # ---------------------------------------------------------------------------------------
@@ -74,52 +67,6 @@ def _configured_dir() -> Path:
     return Path(xdg) / "collage" / "native"
 
 
-def _not_ours(path: Path | str, info: os.stat_result) -> str | None:
-    """Why a file or directory with status ``info`` may hold another user's writing."""
-    uid = os.getuid()
-    if info.st_uid != uid:
-        return f"{path} is owned by uid {info.st_uid}, not by you (uid {uid})"
-    if info.st_mode & _WRITABLE_BY_OTHERS:
-        mode = oct(stat.S_IMODE(info.st_mode))
-        return f"{path} is writable by group or others (mode {mode})"
-    return None
-
-
-def _not_private_dir(path: Path) -> str | None:
-    """Why another user could change what ``path`` holds (see the module docstring), or
-    None."""
-    info = os.lstat(path)
-    if stat.S_ISLNK(info.st_mode):
-        return f"{path} is a symbolic link"
-    if not stat.S_ISDIR(info.st_mode):
-        return f"{path} is not a directory"
-    reason = _not_ours(path, info)
-    if reason is not None:
-        return reason
-    for parent in Path(os.path.realpath(path)).parents:
-        above = os.lstat(parent)
-        if above.st_uid not in (os.getuid(), 0):
-            return f"{parent}, above {path}, is owned by uid {above.st_uid}"
-        if above.st_mode & _WRITABLE_BY_OTHERS and not above.st_mode & stat.S_ISVTX:
-            return f"{parent}, above {path}, is writable by group or others and not sticky"
-    return None
-
-
-def _make_private_dir(path: Path) -> str | None:
-    """Create ``path`` and its missing parents with mode 0700; why it is not private
-    afterwards (an existing directory or link is checked, never trusted), or None."""
-    missing, existing = [], path
-    while not os.path.lexists(existing):
-        missing.append(existing)
-        existing = existing.parent
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory, 0o700)
-        except FileExistsError:  # made meanwhile: checked below like any other
-            pass
-    return _not_private_dir(path)
-
-
 def _own_temporary_dir() -> Path:
     """This process's own directory: a fresh ``tempfile.mkdtemp()`` (mode 0700, a name no
     one can predict), checked like any other, removed at exit (a loaded library stays
@@ -127,7 +74,7 @@ def _own_temporary_dir() -> Path:
     global _own_dir
     if _own_dir is None or not _own_dir.is_dir():
         path = Path(tempfile.mkdtemp(prefix="collage-native-"))
-        reason = _not_private_dir(path)
+        reason = not_private_dir(path)
         if reason is not None:
             shutil.rmtree(path, ignore_errors=True)
             raise RuntimeError(f"no private directory to build native code in: {reason}")
@@ -143,16 +90,16 @@ def build_dir() -> Path:
     with one warning naming the refused one and why."""
     path = _configured_dir()
     try:
-        reason = _make_private_dir(path)
+        reason = make_private_dir(path)
     except OSError:  # read-only home: a per-user directory under the temporary one
         path = Path(tempfile.gettempdir()) / f"collage-native-{os.getuid()}"
         try:
-            reason = _make_private_dir(path)
+            reason = make_private_dir(path)
         except OSError as error:
             reason = f"{path} cannot be created ({error.strerror})"
     if reason is None:
         return path
-    _warn_once(f"not building or loading native code in {path}: {reason}; building in a "
+    warn_once(f"not building or loading native code in {path}: {reason}; building in a "
                "private temporary directory instead (to cache builds again, fix that, e.g. "
                "chmod 700, or set COLLAGE_CACHE_DIR to a private directory)")
     return _own_temporary_dir()
@@ -163,40 +110,18 @@ def build_dir() -> Path:
 # ---------------------------------------------------------------------------------------
 
 
-def _record_of(library: Path) -> Path:
-    """Where ``library``'s SHA-256 is recorded."""
-    return library.with_name(library.name + ".sha256")
-
-
-def _not_private_file(path: Path) -> str | None:
-    """Why ``path`` may hold another user's writing (it must be a regular file, not a link,
-    that we own and that neither group nor others can write), or None; None also when it
-    does not exist."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISREG(info.st_mode):
-        return f"{path} is not a regular file"
-    return _not_ours(path, info)
-
-
 def trusted_target(target: Path) -> Path:
     """``target``, or the same name in the process's own directory where the library at
     ``target`` or its record may hold another user's writing (one warning; the file is
     left alone)."""
-    for path in (target, _record_of(target)):
-        reason = _not_private_file(path)
+    for path in (target, record_of(target)):
+        reason = not_private_file(path)
         if reason is not None:
-            _warn_once(f"not loading native code from {target}: {reason}; building in a "
+            warn_once(f"not loading native code from {target}: {reason}; building in a "
                        "private temporary directory instead (remove the file to cache the "
                        "build again)")
             return _own_temporary_dir() / target.name
     return target
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def unchanged(target: Path) -> bool:
@@ -204,35 +129,25 @@ def unchanged(target: Path) -> bool:
     Otherwise it is to be rebuilt: silently where there is no record (a build of a version
     before records, or interrupted), with one warning where the bytes changed."""
     try:
-        recorded = _record_of(target).read_text().strip()
+        recorded = record_of(target).read_text().strip()
     except FileNotFoundError:
         return False
     if not target.exists():
         return False
-    actual = _sha256(target)
+    actual = sha256(target)
     if actual == recorded:
         return True
-    _warn_once(f"rebuilding the native library {target}: its SHA-256 {actual[:12]}... is "
+    warn_once(f"rebuilding the native library {target}: its SHA-256 {actual[:12]}... is "
                f"not the {recorded[:12]}... recorded when it was built")
     return False
 
 
 def new_file(directory: Path) -> Path:
     """An empty file of ours in ``directory`` under a temporary name, mode 0600."""
-    fd, name = tempfile.mkstemp(prefix="." + PREFIX, dir=directory)
-    os.close(fd)
-    return Path(name)
+    return private_files.new_file(directory, PREFIX)
 
 
 def install(built: Path, target: Path) -> None:
     """Rename the library ``built`` (a :func:`new_file`) to ``target`` with mode 0600,
     having recorded its SHA-256 beside ``target`` first."""
-    os.chmod(built, 0o600)  # the linker made it anew, with the umask's mode
-    record = new_file(target.parent)
-    try:
-        record.write_text(_sha256(built) + "\n")
-        os.replace(record, _record_of(target))
-    finally:
-        if record.exists():
-            record.unlink()
-    os.replace(built, target)
+    private_files.install(built, target, PREFIX)
