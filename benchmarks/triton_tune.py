@@ -1,7 +1,10 @@
-"""Tune the Triton kernels' launch shape on one GPU: elements per program (``BLOCK``) and
-warps per program, for a few strategies at two sizes, beside torch's fused AdamW.
+"""Tune the Triton kernels' launch shape on one GPU: elements per program (``BLOCK``),
+warps per program and persistent programs per multiprocessor (``PROGRAMS_PER_SM``: more
+than fit at once leave the late ones waiting for the first to finish; ``gpu_model.py``
+gives each variant's registers), for a few strategies at two sizes, beside torch's fused
+AdamW.
 
-Each (block, warps) setting times ``--steps`` AdamW steps (``nonfinite="ignore"``: the
+Each (block, warps, programs) setting times ``--steps`` AdamW steps (``nonfinite="ignore"``: the
 kernels alone) with CUDA events after warm-up steps, median per step; prints a table and
 the setting with the lowest geometric mean over the strategies at the largest size, and
 writes the numbers as JSON when ``--json PATH`` is given. docs/gpu.md quotes it.
@@ -25,7 +28,7 @@ from collage.bench.measure import make_params
 from collage.optim import get_strategy
 from collage.optim.triton import launch
 
-SETTINGS = [(block, warps) for block, warps in itertools.product((1024, 2048, 4096), (4, 8))]
+SETTINGS = list(itertools.product((1024, 2048), (4, 8), (2, 4)))
 STRATEGIES = ("fp32", "bf16", "light", "plus")
 
 
@@ -65,15 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         results["torch_fused_fp32_ms"][size] = _time(
             lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True), size, torch.float32,
             args.steps)
-    for block, warps in SETTINGS:
-        launch.GPU_BLOCK, launch.GPU_WARPS = block, warps
+    for block, warps, programs in SETTINGS:
+        launch.GPU_BLOCK, launch.GPU_WARPS, launch.PROGRAMS_PER_SM = block, warps, programs
         row = {}
         for size in sizes:
             for strategy in STRATEGIES:
                 dtype = get_strategy(strategy).weight_dtypes[0]
                 row[f"{strategy}@{size}"] = _time(_collage(strategy), size, dtype, args.steps)
-        results["settings"][f"{block}x{warps}"] = row
-        print(f"BLOCK {block:5d} warps {warps}: " + "  ".join(
+        results["settings"][f"{block}x{warps}x{programs}"] = row
+        print(f"BLOCK {block:5d} warps {warps} programs/SM {programs}: " + "  ".join(
             f"{k} {v:.3f} ms" for k, v in row.items()), flush=True)
     largest = sizes[-1]
     score = {name: math.exp(statistics.mean(math.log(row[f"{s}@{largest}"])
