@@ -55,7 +55,7 @@ from types import ModuleType
 import torch
 
 import collage
-from collage.bench.common import gpt_shapes
+from collage.bench.common import gpt_shapes, strategy_bytes
 from collage.optim import get_strategy
 from collage.optim.rules import RULES
 from collage.optim import base
@@ -232,14 +232,6 @@ def memory_ops(opcodes: list[str]) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------
 
 
-def bytes_per_element(rule, strategy, dtype: torch.dtype) -> int:
-    """Bytes a step moves per element (``bench.common.strategy_bytes`` for any rule): each
-    component read (unless ``read=False``) and written once, the gradient read once."""
-    components = strategy.components(rule, dtype)
-    read = sum(c.bytes for c in components if c.read) + dtype.itemsize
-    return int(read + sum(c.bytes for c in components))
-
-
 def _hyper(rule) -> dict:
     """The hyperparameters whose flags a default run compiles: AdamW and Lion with weight
     decay (0.01), SGD with momentum 0.9."""
@@ -275,8 +267,8 @@ def variants(default_only: bool = False, rules: tuple[str, ...] | None = None,
                                 "configuration": configuration, "variant": variant,
                                 "flags": {**flags, **launches.launch_flags(masked, True,
                                                                            False)},
-                                "bytes_per_element": bytes_per_element(rule, strategy,
-                                                                       dtype),
+                                "bytes_per_element": int(strategy_bytes(strategy,
+                                                                        rule).total),
                                 "grad_bytes": dtype.itemsize})
     return out
 

@@ -19,8 +19,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
-__all__ = ["warn_once", "forget_warnings", "not_ours", "not_private_dir",
-           "make_private_dir", "record_of", "not_private_file", "sha256", "new_file",
+__all__ = ["warn_once", "forget_warnings", "cache_root", "not_ours", "not_private_dir",
+           "make_private_dir", "private_dir_problem", "record_of", "not_private_file", "sha256", "new_file",
            "install"]
 
 _WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
@@ -37,6 +37,16 @@ def warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         warnings.warn(f"collage: {message}", RuntimeWarning, stacklevel=3)
+
+
+def cache_root() -> Path:
+    """Where collage caches: ``$COLLAGE_CACHE_DIR``, else ``$XDG_CACHE_HOME/collage``
+    (default ``~/.cache/collage``)."""
+    root = os.environ.get("COLLAGE_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "collage"
 
 
 def not_ours(path: Path | str, info: os.stat_result) -> str | None:
@@ -83,6 +93,14 @@ def make_private_dir(path: Path) -> str | None:
         except FileExistsError:  # made meanwhile: checked below like any other
             pass
     return not_private_dir(path)
+
+
+def private_dir_problem(path: Path) -> str | None:
+    """:func:`make_private_dir`, with a directory that cannot be created as the reason."""
+    try:
+        return make_private_dir(path)
+    except OSError as error:
+        return f"{path} cannot be created ({error.strerror})"
 
 
 def record_of(path: Path) -> Path:

@@ -13,7 +13,7 @@ from importlib import metadata
 import torch
 
 from .. import __version__
-from ..optim.rules import ADAMW
+from ..optim.rules import ADAMW, Rule
 from ..optim.strategies import Strategy, all_strategies
 from ..optim.strategies.strategy import dtype_name
 from ..train.memory import describe, whole
@@ -94,13 +94,13 @@ class Bytes:
         return self.read + self.write
 
 
-def strategy_bytes(strategy: Strategy) -> Bytes:
-    """The bytes an AdamW step of ``strategy`` moves, from its components at its default
-    weight dtype: every component written once and read once, except those a step does not
-    read (``read=False``: mixed's visible weight, written from the master); the gradient,
-    in the weight's dtype, read once."""
+def strategy_bytes(strategy: Strategy, rule: Rule = ADAMW) -> Bytes:
+    """The bytes a step of ``rule`` (AdamW) under ``strategy`` moves, from its components
+    at its default weight dtype: every component written once and read once, except those a
+    step does not read (``read=False``: mixed's visible weight, written from the master);
+    the gradient, in the weight's dtype, read once."""
     weight_dtype = strategy.weight_dtypes[0]
-    components = strategy.components(ADAMW, weight_dtype)
+    components = strategy.components(rule, weight_dtype)
     updated = [c for c in components if c.read]
     written_only = [c for c in components if not c.read]
     read = sum(c.bytes for c in updated) + weight_dtype.itemsize

@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
-from ..private_files import (install, make_private_dir, new_file, not_private_file,
-                             record_of, warn_once)
+from ..private_files import (cache_root, install, new_file, not_private_file,
+                             private_dir_problem, record_of, warn_once)
 
 __all__ = ["bpe_encode", "cache_dir"]
 
@@ -56,12 +56,7 @@ _PREFIX = "bpe-"
 
 def cache_dir() -> str:
     """Where token ids are cached: ``$COLLAGE_CACHE_DIR/tokens``, else the XDG cache."""
-    root = os.environ.get("COLLAGE_CACHE_DIR")
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
-                                                                ".cache")
-        root = os.path.join(xdg, "collage")
-    return os.path.join(root, "tokens")
+    return str(cache_root() / "tokens")
 
 
 def _pieces(data: bytes) -> Iterator[str]:
@@ -116,10 +111,7 @@ def _private_dir() -> Path | None:
     """:func:`cache_dir`, created 0700, if no one else can write it; else None (one
     warning naming it and why)."""
     path = Path(cache_dir())
-    try:
-        reason = make_private_dir(path)
-    except OSError as error:
-        reason = f"{path} cannot be created ({error.strerror})"
+    reason = private_dir_problem(path)
     if reason is None:
         return path
     warn_once(f"not caching BPE token ids in {path}: {reason}; tokenizing without the "

@@ -37,8 +37,9 @@ import tempfile
 from pathlib import Path
 
 from ... import private_files
-from ...private_files import (forget_warnings, make_private_dir, not_private_dir,
-                              not_private_file, record_of, sha256, warn_once)
+from ...private_files import (cache_root, forget_warnings, make_private_dir, not_private_dir,
+                              not_private_file, private_dir_problem, record_of, sha256,
+                              warn_once)
 
 __all__ = ["build_dir", "trusted_target", "unchanged", "new_file", "install", "reset",
            "PREFIX"]
@@ -60,11 +61,7 @@ def reset() -> None:
 
 
 def _configured_dir() -> Path:
-    root = os.environ.get("COLLAGE_CACHE_DIR")
-    if root:
-        return Path(root) / "native"
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "collage" / "native"
+    return cache_root() / "native"
 
 
 def _own_temporary_dir() -> Path:
@@ -93,10 +90,7 @@ def build_dir() -> Path:
         reason = make_private_dir(path)
     except OSError:  # read-only home: a per-user directory under the temporary one
         path = Path(tempfile.gettempdir()) / f"collage-native-{os.getuid()}"
-        try:
-            reason = make_private_dir(path)
-        except OSError as error:
-            reason = f"{path} cannot be created ({error.strerror})"
+        reason = private_dir_problem(path)
     if reason is None:
         return path
     warn_once(f"not building or loading native code in {path}: {reason}; building in a "

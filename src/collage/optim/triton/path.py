@@ -217,14 +217,13 @@ def _step_on_device(group: GroupStep, entries: list[Entry], found: torch.Tensor 
                                              device=device)
     counters = [e.state["step"] for e in entries]
     launches.advance_counters(counters, found)
-    buckets: dict[tuple, list[Entry]] = {}
-    for entry in entries:
-        buckets.setdefault((entry.param.dtype, _aligned(entry)), []).append(entry)
+    positions: dict[tuple, list[int]] = {}
+    for index, entry in enumerate(entries):
+        positions.setdefault((entry.param.dtype, _aligned(entry)), []).append(index)
     scale = launches.grad_scale(group, device)
     done: list[Bucket] = []
-    for (dtype, aligned), bucket in buckets.items():
-        members = [i for i, e in enumerate(entries) if (e.param.dtype, _aligned(e)) ==
-                   (dtype, aligned)]
+    for (dtype, aligned), members in positions.items():
+        bucket = [entries[i] for i in members]
         key = (dtype, aligned, tuple(e.item.position for e in bucket), "capturable")
         launch = _launch_of(group, key, bucket, capturable=True)
         coefficients = launches.device_coefficients(group, [e.state["step"] for e in bucket])
