@@ -98,6 +98,20 @@ def test_overlap_never_predicts_less_and_is_bounded_by_the_slower_side():
         assert together == pytest.approx(memory / max(memory, compute))
 
 
+def test_a_hidden_host_sets_the_pace_only_when_it_is_the_slower_side():
+    """Serial host time lowers the fraction by ``device / (device + host)``; hidden, the
+    slower of the two sets the pace: no effect while the device is slower, and
+    ``device / host`` once the host is."""
+    gpu = gpu_model.GPUS[90]
+    n, nbytes = 1e8, 22
+    device = n * nbytes / gpu.achievable  # 0.51 ms; 20 instructions: memory-bound
+    for host in (0.5 * device, 2 * device):
+        serial = gpu_model.predict(gpu, n, nbytes, 20, True, host_s=host)
+        hidden = gpu_model.predict(gpu, n, nbytes, 20, True, host_s=host, host_hidden=True)
+        assert serial == pytest.approx(device / (device + host))
+        assert hidden == pytest.approx(min(1.0, device / host))
+
+
 def test_json_output_has_the_documented_keys(capsys):
     assert gpu_model.main(["--arch", "90", "--json", "--no-host", "--rules", "adamw",
                            "--strategies", "light", "--default-only"]) == 0

@@ -16,10 +16,12 @@ root the same operation on both sides, every result is the same bits.
 
 from __future__ import annotations
 
+import io
 import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import collage
 from collage.optim import compiled, dispatch, get_strategy, rounding
@@ -360,10 +362,12 @@ def test_an_unaligned_tensor_gets_its_own_unhinted_launch(monkeypatch, ieee_sqrt
 
 
 def _plan_run(edit, flags: dict) -> tuple[dict, list]:
-    """Four AdamW steps; ``edit(opt, step)`` runs before each; returns the weights and
-    states, and the paths of the steps."""
+    """Four AdamW steps (``nonfinite="ignore"`` unless ``flags`` say otherwise);
+    ``edit(opt, step)`` runs before each; returns the weights and states, and the paths of
+    the steps."""
     params = _params(torch.bfloat16)
-    opt = collage.AdamW(params, strategy="stochastic", nonfinite="ignore", seed=9, **flags)
+    opt = collage.AdamW(params, strategy="stochastic", seed=9,
+                        **{"nonfinite": "ignore", **flags})
     g = torch.Generator().manual_seed(12)
     paths = []
     for step in range(4):
@@ -385,23 +389,130 @@ def _set_counters(opt, step: int) -> None:
 
 
 @needs_triton
+@pytest.mark.parametrize("nonfinite", ["ignore", "skip"])
 def test_later_steps_follow_the_plan_and_leave_it_when_a_counter_is_written(
-        monkeypatch, ieee_sqrt):
+        monkeypatch, ieee_sqrt, nonfinite):
+    """``ignore``: the counters on the host, one per tensor; ``skip`` (the default): on the
+    device, the elements of one vector (``path.gather_counters``): a write to any of them
+    is seen by the vector's version counter."""
     built = []
     original = triton_plan.TritonPlan.build.__func__
 
-    def spy(cls, *args):
-        plan = original(cls, *args)
+    def spy(cls, *args, **kwargs):
+        plan = original(cls, *args, **kwargs)
         built.append(plan is not None)
         return plan
 
     monkeypatch.setattr(triton_plan.TritonPlan, "build", classmethod(spy))
-    got, paths = _plan_run(_set_counters, {"fused": "triton"})
-    want, _ = _plan_run(_set_counters, {"foreach": True})
+    got, paths = _plan_run(_set_counters, {"fused": "triton", "nonfinite": nonfinite})
+    want, _ = _plan_run(_set_counters, {"foreach": True, "nonfinite": nonfinite})
     assert paths == ["triton"] * 4
     assert built == [True, True]  # steps 1 and 3 took the general path; 2 and 4 the plan
     assert_bitwise_equal(got, want)
     assert float(got["s0/step"]) == 102.0
+
+
+def _replace_a_counter(opt, step: int) -> None:
+    if step == 2:  # a new tensor, not a write: the plan's counters no longer are the state's
+        state = next(iter(opt.state.values()))
+        state["step"] = torch.tensor(50.0)
+
+
+@needs_triton
+@pytest.mark.parametrize("nonfinite", ["ignore", "skip"])
+def test_a_counter_replaced_by_another_tensor_leaves_the_plan(ieee_sqrt, nonfinite):
+    got, paths = _plan_run(_replace_a_counter, {"fused": "triton", "nonfinite": nonfinite})
+    want, _ = _plan_run(_replace_a_counter, {"foreach": True, "nonfinite": nonfinite})
+    assert paths == ["triton"] * 4
+    assert_bitwise_equal(got, want)
+    assert float(got["s0/step"]) == 52.0
+
+
+def _device_plan_steps(count: int, steps: int = 4):
+    """``count`` bf16 tensors of 40 elements under the default check, ``steps`` steps on the
+    Triton path; the optimizer, its parameters, and the torch operations and launches of
+    the last (planned) step (the check itself stubbed: on CPU it is the native library's
+    one call, or per tensor without it; on a GPU one multi-tensor kernel)."""
+    g = torch.Generator().manual_seed(count)
+    params = [torch.nn.Parameter(torch.randn(40, generator=g).to(torch.bfloat16))
+              for _ in range(count)]
+    opt = collage.AdamW(params, strategy="plus", fused="triton")
+    for _ in range(steps - 1):
+        for p in params:
+            p.grad = torch.randn(40, generator=g).to(torch.bfloat16)
+        opt.step()
+    for p in params:
+        p.grad = torch.randn(40, generator=g).to(torch.bfloat16)
+    with _CountOperations() as counted:
+        opt.step()
+    return opt, params, counted.operations
+
+
+class _CountOperations(TorchDispatchMode):
+    """The torch operations run under it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.operations: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        self.operations[name] = self.operations.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@needs_triton
+def test_a_planned_device_step_runs_the_same_operations_for_3_tensors_as_for_30(
+        monkeypatch, ieee_sqrt):
+    """Issue #29: the host's work of a planned step under the default check does not grow
+    with the group's tensors: the counters are the elements of one vector (each state's
+    ``step`` a view of it), advanced by one operation; the coefficients are computed once
+    from it; the same torch operations run for 3 tensors as for 30 (no per-tensor
+    ``_foreach`` list, no stack of counters)."""
+    monkeypatch.setattr(collage.optim.base, "nonfinite_flag",
+                        lambda grads: torch.zeros((), dtype=torch.float32))
+    few_opt, few, few_ops = _device_plan_steps(3)
+    many_opt, many, many_ops = _device_plan_steps(30)
+    assert few_ops == many_ops  # the kernels' launches (interpreted) among them
+    assert "aten._foreach_add_" not in many_ops
+    assert many_ops["aten.stack"] == 1  # the coefficients' columns, not the counters
+    for opt, params in ((few_opt, few), (many_opt, many)):
+        vector = launches.counter_vector([opt.state[p]["step"] for p in params])
+        assert vector is not None and vector.tolist() == [4.0] * len(params)
+        assert opt.last_paths == {0: "triton"}
+
+
+@needs_triton
+def test_device_counters_survive_a_state_dict_round_trip(ieee_sqrt):
+    """The counters' vector is saved as its elements' values: ``torch.save`` of the state
+    dict, loaded into a new optimizer, continues bit for bit as the uninterrupted run."""
+    def grads(params, step):
+        g = torch.Generator().manual_seed(100 + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+
+    params, copies = _params(torch.bfloat16), _params(torch.bfloat16)
+    opt = collage.AdamW(params, strategy="plus", fused="triton")
+    for step in range(2):
+        grads(params, step)
+        opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    with torch.no_grad():
+        for p, q in zip(params, copies):
+            q.copy_(p)
+    resumed = collage.AdamW(copies, strategy="plus", fused="triton")
+    resumed.load_state_dict(torch.load(buffer, weights_only=False))
+    for step in range(2, 4):
+        grads(params, step)
+        grads(copies, step)
+        opt.step()
+        resumed.step()
+    for p, q in zip(params, copies):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16))
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, resumed.state[q][key]), key
 
 
 @needs_triton

@@ -8,6 +8,7 @@ strategy is a parameter (and a per-group key), never a subclass.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -21,7 +22,7 @@ from torch.optim.optimizer import required
 from ..metrics import UpdateStats
 from . import convert, dispatch, state_io
 from .edits import WriteLog, hides_weight, rederive
-from .group import GroupStep, Item, check_gradient, local
+from .group import GroupStep, Item, check_gradient, local, make_item
 from .nonfinite import FiniteProof, all_ranks_max, nonfinite_flag, shard_group
 from .rules import Rule, plain_numbers
 from .strategies import check_weight, get_strategy
@@ -203,7 +204,7 @@ class CollageOptimizer(Optimizer):
                 f"param group {index} has {len(names)} param_names for {len(params)} "
                 "parameters: a parameter was removed from its 'params' but not its name "
                 "from 'param_names'; remove both")
-        return [*names, *(f"group{index}.param{i}" for i in range(len(names), len(params)))]
+        return [*names, *_default_names(index, len(names), len(params))]
 
     # ----------------------------------------------------------------------- groups
 
@@ -361,10 +362,15 @@ class CollageOptimizer(Optimizer):
             cache=book.cache, warn=self._warn_fallback)
 
     def _gather(self) -> list[Batch]:
-        """(group index, group, items) for the parameters that have gradients."""
+        """(group index, group, items) for the parameters that have gradients. This runs
+        every step, per parameter (issue #29: on a GPU it is host time the step waits
+        for): the common gradient is recognised by two comparisons before the full check,
+        and each item is made as the tuple it is, without the named tuple's Python-level
+        constructor."""
         positions = self._parameter_positions()
         batches = []
         state = self.state
+        make = make_item
         for index, group in enumerate(self.param_groups):
             named = "param_names" in group
             group_keys = ("", f"group{index}")
@@ -373,10 +379,12 @@ class CollageOptimizer(Optimizer):
                 grad = param.grad
                 if grad is None:
                     continue
-                check_gradient(name, param, grad)
+                if (grad.dtype is not param.dtype or grad.shape != param.shape
+                        or grad.layout is not torch.strided):
+                    check_gradient(name, param, grad)  # raises where it cannot step
                 keys = (*group_keys, name) if named else group_keys
-                items.append(Item(name, param, grad, state[param], positions[id(param)],
-                                  keys))
+                items.append(make((name, param, grad, state[param], positions[id(param)],
+                                   keys)))
             batches.append((index, group, items))
         return batches
 
@@ -447,7 +455,7 @@ class CollageOptimizer(Optimizer):
             return True
         # a meta tensor holds no values to check (torch.optim steps meta parameters too)
         grads = [item.grad for _, _, items in batches for item in items
-                 if item.grad.device.type != "meta"]
+                 if not item.grad.is_meta]
         if not grads:
             return True
         # A finite norm of these very gradients (clip_grad_norm_) proves every element
@@ -669,6 +677,13 @@ def _refuse_duplicates(group: dict, index: int, names: list[str]) -> None:
             raise ValueError(f"param group {index} lists parameter {seen[id(param)]!r} twice "
                              f"(also as {name!r}); list each parameter once")
         seen[id(param)] = name
+
+
+@functools.lru_cache(maxsize=256)
+def _default_names(index: int, start: int, stop: int) -> tuple[str, ...]:
+    """``group<index>.param<i>`` for ``i`` in ``range(start, stop)``: made once, not every
+    step (``_param_names`` runs per step)."""
+    return tuple(f"group{index}.param{i}" for i in range(start, stop))
 
 
 _IMMUTABLE = frozenset({float, int, bool, str, type(None)})

@@ -8,6 +8,7 @@ The paths (``eager``, ``compiled``, ``native``) see nothing else: never the opti
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,13 +21,21 @@ from . import draws as keyed
 from .rules import Rule
 from .strategies import Strategy, check_weight
 
-__all__ = ["Item", "GroupStep", "Entry", "local", "entries_of", "check_item", "check_gradient",
+__all__ = ["Item", "make_item", "GroupStep", "Entry", "local", "entries_of", "check_item", "check_gradient",
            "advance_steps",
            "prepare_grad", "component_slice", "draw_key_at"]
 
 
+# plain tensors: no local shard to take (a DTensor is of its own class)
+_PLAIN = frozenset({torch.nn.Parameter, torch.Tensor})
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2), or the tensor itself."""
+    """The local shard of a DTensor (FSDP2), or the tensor itself. Runs per tensor and
+    step: a plain tensor is recognised by its class (``hasattr``'s miss costs ten times
+    more)."""
+    if tensor.__class__ in _PLAIN:
+        return tensor
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
@@ -43,6 +52,12 @@ class Item(NamedTuple):
     state: dict
     position: int
     stat_keys: Sequence[str] = ("",)
+
+
+#: ``make_item((name, param, grad, state, position, stat_keys))``: an :class:`Item` from
+#: the tuple of all its fields, without the named tuple's Python-level ``__new__`` (a
+#: Python frame per item: half of the time of gathering a step's items)
+make_item = functools.partial(tuple.__new__, Item)
 
 
 def _warn(message: str) -> None:

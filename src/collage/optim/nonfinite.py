@@ -17,6 +17,9 @@ from .native import any_nonfinite
 
 __all__ = ["FiniteProof", "nonfinite_flag", "all_ranks_max", "shard_group"]
 
+# plain tensors are never sharded (a DTensor parameter is of its own class)
+_PLAIN = frozenset({torch.nn.Parameter, torch.Tensor})
+
 
 class FiniteProof(NamedTuple):
     """A gradient norm taken by ``clip_grad_norm_`` and the gradients it was taken over
@@ -87,6 +90,8 @@ def shard_group(params):
     that only some ranks step. HSDP's (Replicate, Shard) mesh reduces over the shard dim.
     """
     for param in params:
+        if param.__class__ in _PLAIN:  # the common case, without getattr's miss
+            continue
         mesh = getattr(param, "device_mesh", None)
         if mesh is None:
             continue

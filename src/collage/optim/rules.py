@@ -146,10 +146,13 @@ class Rule:
         """The per-step coefficients of the fast kernels, Python floats (float64)."""
         return self.step_coefficients(group, float(group["lr"]), step)
 
-    def step_coefficients(self, group: Mapping, lr, step) -> dict:
+    def step_coefficients(self, group: Mapping, lr, step, next_step: bool = True) -> dict:
         """:meth:`coefficients` from ``lr`` and ``step``: Python numbers, or float64 tensors
         (``step`` one counter per parameter; the values are then tensors of its shape,
-        or numbers where they do not depend on it)."""
+        or numbers where they do not depend on it). ``next_step=False`` leaves out the
+        next step's coefficients (``*_next``: only the ``feedback`` landing reads them),
+        where each costs device operations a step waits for (the Triton path's device
+        coefficients)."""
         raise NotImplementedError
 
     def fast(self, weight: torch.Tensor, grad: torch.Tensor, states: dict, c: Coeffs):
@@ -196,11 +199,11 @@ class AdamWRule(Rule):
                              "code's and runs on the reference path only: pass "
                              "reference=True, or use 'compact' or 'torch'")
 
-    def step_coefficients(self, group: Mapping, lr, step) -> dict:
+    def step_coefficients(self, group: Mapping, lr, step, next_step: bool = True) -> dict:
         beta1, beta2 = group["betas"]
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
-        return {
+        out = {
             "lr_wd": lr * group["weight_decay"],
             "decay": 1 - lr * group["weight_decay"],
             "beta1": beta1,
@@ -210,10 +213,11 @@ class AdamWRule(Rule):
             "step_size": lr / bias_correction1,
             "bias_correction2_sqrt": _sqrt(bias_correction2),
             "eps": group["eps"],
-            # the next step's (error feedback): the same learning rate assumed
-            "step_size_next": lr / (1 - beta1**(step + 1)),
-            "bias_correction2_sqrt_next": _sqrt(1 - beta2**(step + 1)),
         }
+        if next_step:  # the next step's (error feedback): the same learning rate assumed
+            out["step_size_next"] = lr / (1 - beta1**(step + 1))
+            out["bias_correction2_sqrt_next"] = _sqrt(1 - beta2**(step + 1))
+        return out
 
     def coefficients(self, group: Mapping, step: int) -> dict[str, float]:
         c = super().coefficients(group, step)
@@ -334,7 +338,7 @@ class SGDRule(Rule):
         if hyper["nesterov"] and (momentum <= 0 or hyper["dampening"] != 0):
             raise ValueError("nesterov=True needs momentum > 0 and dampening == 0")
 
-    def step_coefficients(self, group: Mapping, lr, step) -> dict:
+    def step_coefficients(self, group: Mapping, lr, step, next_step: bool = True) -> dict:
         return {
             "lr": lr,
             "lr_wd": 0.0,
@@ -406,7 +410,7 @@ class LionRule(Rule):
         super().validate(hyper)
         check_betas(hyper["betas"])
 
-    def step_coefficients(self, group: Mapping, lr, step) -> dict:
+    def step_coefficients(self, group: Mapping, lr, step, next_step: bool = True) -> dict:
         beta1, beta2 = group["betas"]
         return {
             "lr": lr,

@@ -42,7 +42,7 @@ __all__ = ["triton", "GPU_BLOCK", "GPU_WARPS", "INTERPRETED_BLOCK", "interpretin
            "kernel_module", "block_size", "Launch", "build", "signature_of", "refresh_grads",
            "grad_scale", "kernel_flags", "variant_flags", "launch_flags", "programs",
            "step_arguments", "decays", "device_coefficients",
-           "capturable_decays", "advance_counters", "launch"]
+           "capturable_decays", "counter_vector", "advance_counters", "launch"]
 
 #: elements per program: on a GPU 8 per thread of 4 warps (16-byte loads of bf16); in the
 #: interpreter small, so that small test tensors span several programs
@@ -306,15 +306,16 @@ def decays(coefficients: dict) -> bool:
     return not is_one(coefficients["decay"])
 
 
-def device_coefficients(group: GroupStep, steps: Sequence[torch.Tensor]) -> torch.Tensor:
-    """float32 ``[rows, NCOEF]``: each row's coefficients at its step counter, computed on
-    the counters' device in float64 (``Rule.step_coefficients``), then rounded once."""
-    device = steps[0].device
-    step = torch.stack(list(steps)).to(torch.float64)
+def device_coefficients(group: GroupStep, steps: torch.Tensor) -> torch.Tensor:
+    """float32 ``[rows, NCOEF]``: each row's coefficients at its step counter (``steps``:
+    the rows' counters as one float32 vector on the device, ``counter_vector``), computed
+    there in float64 (``Rule.step_coefficients``), then rounded once."""
+    device = steps.device
+    step = steps.to(torch.float64)
     lr = group.hyper["lr"]
     if isinstance(lr, torch.Tensor):
         lr = lr.to(torch.float64) if lr.device == device else float(lr)
-    values = group.rule.step_coefficients(group.hyper, lr, step)
+    values = group.rule.step_coefficients(group.hyper, lr, step, next_step=False)
     columns = []
     for key in layout.COEFFICIENTS[group.rule.name]:
         value = values[key]
@@ -328,16 +329,32 @@ def device_coefficients(group: GroupStep, steps: Sequence[torch.Tensor]) -> torc
     return torch.stack(columns, dim=1).to(torch.float32)
 
 
-def advance_counters(counters: list[torch.Tensor], found: torch.Tensor | None) -> None:
-    """Step counters on the device advanced by one, or by ``1 - found`` (the device's
-    non-finite verdict: a skipped step leaves them), without the host reading anything.
-    The list form of the tensor overload: one multi-tensor launch on a GPU (as torch's
-    fused optimizers subtract ``found_inf``), and on CPU a third of the tensor form's time."""
+def counter_vector(counters: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The float32 vector whose elements ``counters`` are, in order (each a 0-d view of
+    it, as ``path.gather_counters`` makes them), or None where they are not: then one
+    operation on the vector advances or reads them all, whatever their number."""
+    first = counters[0]
+    vector = first._base
+    if (vector is None or vector.dim() != 1 or vector.numel() != len(counters)
+            or vector.dtype != torch.float32 or not vector.is_contiguous()):
+        return None
+    offset = vector.storage_offset()
+    for index, counter in enumerate(counters):
+        if (counter._base is not vector or counter.dim() != 0
+                or counter.storage_offset() != offset + index):
+            return None
+    return vector
+
+
+def advance_counters(counters: torch.Tensor, found: torch.Tensor | None) -> None:
+    """Step counters on the device (``counters``: their vector, ``counter_vector``)
+    advanced by one, or by ``1 - found`` (the device's non-finite verdict: a skipped step
+    leaves them), without the host reading anything: one operation, whatever the number
+    of tensors (as torch's fused optimizers subtract ``found_inf``)."""
     if found is None:
-        torch._foreach_add_(counters, 1.0)
+        counters.add_(1.0)
     else:
-        advance = 1.0 - found.to(counters[0].device)
-        torch._foreach_add_(counters, [advance] * len(counters))
+        counters.add_(1.0 - found.to(counters.device))
 
 
 def capturable_decays(group: GroupStep) -> bool:

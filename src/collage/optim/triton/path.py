@@ -209,29 +209,49 @@ def _step_on_device(group: GroupStep, entries: list[Entry], found: torch.Tensor 
     if not entries:
         return
     device = entries[0].param.device
-    for entry in entries:
-        counter = entry.state["step"]
-        if counter.device != device:  # the first step: the counters move there, once
-            # a fill on the device, not a copy from the host (which would wait for it)
-            entry.state["step"] = torch.full((), float(counter), dtype=torch.float32,
-                                             device=device)
-    counters = [e.state["step"] for e in entries]
-    launches.advance_counters(counters, found)
     positions: dict[tuple, list[int]] = {}
     for index, entry in enumerate(entries):
         positions.setdefault((entry.param.dtype, _aligned(entry)), []).append(index)
+    # the counters in bucket order: each bucket's rows are a slice of one vector
+    counters = gather_counters([entries[i] for members in positions.values()
+                                for i in members], device)
+    launches.advance_counters(counters, found)
+    coefficients = launches.device_coefficients(group, counters)
     scale = launches.grad_scale(group, device)
     done: list[Bucket] = []
+    start = 0
     for (dtype, aligned), members in positions.items():
         bucket = [entries[i] for i in members]
         key = (dtype, aligned, tuple(e.item.position for e in bucket), "capturable")
         launch = _launch_of(group, key, bucket, capturable=True)
-        coefficients = launches.device_coefficients(group, [e.state["step"] for e in bucket])
         flags = launches.kernel_flags(group, dtype, launches.capturable_decays(group), True,
                                       _interpreted(device), skippable=found is not None)
-        launches.launch(launch, flags, [0.0] * layout.NCOEF, 0, coefficients, scale, found)
+        launches.launch(launch, flags, [0.0] * layout.NCOEF, 0,
+                        coefficients[start:start + len(members)], scale, found)
+        start += len(members)
         done.append((launch, members, dtype))
     if whole_group:
         plan = TritonPlan.build(group, entries, done, on_device=True)
         if plan is not None:
             group.cache[_PLAN] = plan
+
+
+def gather_counters(entries: list[Entry], device: torch.device) -> torch.Tensor:
+    """The entries' step counters as one float32 vector on ``device``, in their order, each
+    entry's ``state["step"]`` a 0-d view of its element (``launch.counter_vector``), so
+    that one operation advances them and one reads them, whatever the number of tensors
+    (issue #29: a planned group's host time does not grow with its tensors). Made where
+    they are not that yet (the first step, or the group's tensors changed): the values
+    stacked on the device, or filled from the host's counters (never read back there)."""
+    counters = [entry.state["step"] for entry in entries]
+    vector = launches.counter_vector(counters)
+    if vector is not None and vector.device == device:
+        return vector
+    vector = torch.stack([
+        counter.to(torch.float32) if counter.device == device
+        # a fill on the device, not a copy from the host (which would wait for it)
+        else torch.full((), float(counter), dtype=torch.float32, device=device)
+        for counter in counters])
+    for index, entry in enumerate(entries):
+        entry.state["step"] = vector[index]
+    return vector

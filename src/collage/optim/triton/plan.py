@@ -27,6 +27,8 @@ the coefficients computed there (``path._step_on_device``'s launches).
 
 from __future__ import annotations
 
+from operator import is_
+
 import torch
 
 from ..group import Entry, GroupStep
@@ -55,8 +57,9 @@ class TritonPlan:
     module docstring). Build with :meth:`build` after a general step; :meth:`ready` checks,
     :meth:`step` runs."""
 
-    __slots__ = ("flags", "params", "states", "keys", "pointers", "counters", "versions",
-                 "device", "buckets", "aligned", "step_value", "on_device")
+    __slots__ = ("flags", "params", "states", "keys", "param_pointers", "state_pointers",
+                 "counters", "vector", "versions", "device", "buckets", "aligned",
+                 "step_value", "on_device")
 
     @classmethod
     def build(cls, group: GroupStep, entries: list[Entry], buckets: list[Bucket],
@@ -74,11 +77,17 @@ class TritonPlan:
         plan.params = [entry.item.param for entry in entries]
         plan.states = [entry.state for entry in entries]
         plan.keys = tuple(first.tensors)
-        plan.pointers = [(entry.param.data_ptr(),
-                          *[entry.tensors[key].data_ptr() for key in plan.keys])
-                         for entry in entries]
+        plan.param_pointers = [entry.param.data_ptr() for entry in entries]
+        plan.state_pointers = [entry.tensors[key].data_ptr()
+                               for entry in entries for key in plan.keys]
         plan.counters = [entry.state["step"] for entry in entries]
-        plan.versions = [counter._version for counter in plan.counters]
+        plan.vector = None
+        if on_device:  # one vector in bucket order (path.gather_counters made it)
+            plan.vector = launches.counter_vector(
+                [plan.counters[i] for _, members, _ in buckets for i in members])
+            if plan.vector is None:
+                return None
+        plan.versions = plan._counter_versions()
         plan.device = first.param.device
         plan.buckets = buckets
         plan.aligned = [False] * len(entries)
@@ -88,36 +97,46 @@ class TritonPlan:
         plan.step_value = first.step
         return plan
 
+    def _counter_versions(self) -> int | list[int]:
+        """What any in-place write to a counter changes: the vector's version counter
+        (which its views share), or each counter's."""
+        if self.vector is not None:
+            return self.vector._version
+        return [counter._version for counter in self.counters]
+
     def ready(self, group: GroupStep) -> list[int] | None:
         """The gradients' addresses if the plan still describes the group (the checks of the
-        module docstring), else None. Changes nothing."""
+        module docstring), else None. Changes nothing. Each check is one pass over the
+        tensors in C (``map``), not a Python loop: this runs every step."""
         items = group.items
         if len(items) != len(self.params) or self.step_value + 1 >= _MAX_STEP:
             return None
-        if self.on_device != on_device(group):
+        if self.on_device != on_device(group) or _flags(group) != self.flags:
             return None
-        if _flags(group) != self.flags:
-            return None
-        if any(c._version != v for c, v in zip(self.counters, self.versions)):
+        if self._counter_versions() != self.versions:
             return None  # a counter was written since: the general path reads them all
-        keys, device = self.keys, self.device
-        grads = []
-        for item, param, state, pointers, aligned in zip(items, self.params, self.states,
-                                                         self.pointers, self.aligned):
-            grad = item.grad
-            if (item.param is not param or item.state is not state
-                    or not grad.is_contiguous() or not param.is_contiguous()
-                    or grad.device != device):
-                return None
-            try:
-                now = (param.data_ptr(), *[state[key].data_ptr() for key in keys])
-            except KeyError:
-                return None
-            address = grad.data_ptr()
-            if now != pointers or (aligned and address % 16):
-                return None
-            grads.append(address)
-        return grads
+        params = [item.param for item in items]
+        states = [item.state for item in items]
+        grads = [item.grad for item in items]
+        if not (all(map(is_, params, self.params)) and all(map(is_, states, self.states))
+                and all(map(is_, [state.get("step") for state in states], self.counters))):
+            return None
+        device = self.device
+        if not (all(map(torch.Tensor.is_contiguous, grads))
+                and all(map(torch.Tensor.is_contiguous, params))
+                and all(grad.device == device for grad in grads)):
+            return None
+        try:
+            now = [state[key].data_ptr() for state in states for key in self.keys]
+        except KeyError:
+            return None
+        if (now != self.state_pointers
+                or list(map(torch.Tensor.data_ptr, params)) != self.param_pointers):
+            return None
+        addresses = list(map(torch.Tensor.data_ptr, grads))
+        if any(address & 15 for address, aligned in zip(addresses, self.aligned) if aligned):
+            return None
+        return addresses
 
     def step(self, group: GroupStep, grads: list[int]) -> None:
         """Step the group with the gradients' addresses :meth:`ready` returned."""
@@ -125,7 +144,7 @@ class TritonPlan:
             self._step_on_device(group, grads)
             return
         torch._foreach_add_(self.counters, 1.0)
-        self.versions = [counter._version for counter in self.counters]
+        self.versions = self._counter_versions()
         step = self.step_value + 1
         coefficients = group.coefficients(step)
         arguments = launches.step_arguments(group.rule, coefficients)
@@ -138,22 +157,24 @@ class TritonPlan:
         self.step_value = step
 
     def _step_on_device(self, group: GroupStep, grads: list[int]) -> None:
-        """The counters advanced on the device by ``1 - verdict``, each bucket's
-        coefficients computed there, the kernels told the verdict."""
+        """The counters advanced on the device by ``1 - verdict`` (one operation on their
+        vector), the coefficients computed there once, each bucket launched with its rows
+        and told the verdict."""
         found = group.found_nonfinite
-        launches.advance_counters(self.counters, found)
-        self.versions = [counter._version for counter in self.counters]
+        launches.advance_counters(self.vector, found)
+        self.versions = self.vector._version
+        coefficients = launches.device_coefficients(group, self.vector)
         scale = launches.grad_scale(group, self.device)
         decays = launches.capturable_decays(group)
+        interpreted = self.device.type == "cpu"
+        start = 0
         for launch, members, dtype in self.buckets:
             launches.refresh_grads(launch, [grads[i] for i in members])
-            coefficients = launches.device_coefficients(group,
-                                                        [self.counters[i] for i in members])
-            flags = launches.kernel_flags(group, dtype, decays, True,
-                                          self.device.type == "cpu",
+            flags = launches.kernel_flags(group, dtype, decays, True, interpreted,
                                           skippable=found is not None)
-            launches.launch(launch, flags, [0.0] * layout.NCOEF, 0, coefficients, scale,
-                            found)
+            launches.launch(launch, flags, [0.0] * layout.NCOEF, 0,
+                            coefficients[start:start + len(members)], scale, found)
+            start += len(members)
 
 
 def on_device(group: GroupStep) -> bool:
