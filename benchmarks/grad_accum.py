@@ -120,7 +120,7 @@ def train(config, init, train_batches, val_batches, n: int, steps: int,
             x, y = train_batches.batch(step * n + k)
             loss = token_loss(model, x, y) / n
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
