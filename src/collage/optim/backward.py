@@ -191,5 +191,8 @@ class HookSet:
 
     def _hook(self, param: torch.Tensor) -> None:
         owner = self._owner()
-        if owner is not None:
+        # only the parameters hooked here: a copy of a parameter that carried the hook
+        # along must not feed its gradient to this optimizer
+        known = self._handles.get(id(param))
+        if owner is not None and known is not None and known[0] is param:
             self._on_ready(owner, param)
