@@ -75,8 +75,8 @@ class Cycle:
     """What the hooks of one backward pass (or several, until ``step()``) share: checked
     once at its first hook. ``owner``: ``id(param)``: (group index, group, name);
     ``stats``: the measured sums of this step, or None; ``skipped``: names of parameters
-    whose non-finite gradient was skipped (``nonfinite="skip"``); ``stepped``: whether a
-    hook stepped a parameter."""
+    whose non-finite gradient was skipped (``nonfinite="skip"``); ``stepped``: the
+    parameters a hook stepped."""
 
     owner: dict[int, tuple[int, dict, str]]
     stats: UpdateStats | None
