@@ -191,3 +191,25 @@ def test_bench_optimizer_start_step_json(capsys):
     assert result["settings"]["start_step"] == 20000
     rows = [r for r in result["sizes"][0]["rows"] if r["key"].startswith("collage")]
     assert rows and all(r["start_step"] == 20000 for r in rows)
+
+
+@needs_compiler
+def test_bench_train_in_backward_mode_lowers_the_peak():
+    """``plus+backward`` trains plus with the step in backward: its gradients are freed in
+    backward, so its step's peak is below plain plus's. On a model whose weights dominate
+    (d 128, one sequence of 8 tokens) the memory model says 10/12 = 0.83 (measured 0.80 by
+    benchmarks/memory_in_backward.py); below 0.9 leaves room for the activations."""
+    from collage.bench import train
+
+    result = train.run(modes=("plus", "plus+backward"), preset="micro",
+                       model={"d_model": 128, "n_layers": 2, "n_heads": 4, "context": 8},
+                       batch=1, steps=1, warmup=1, rounds=1, threads=1)
+    plus, in_backward = result["rows"]
+    assert in_backward["mode"] == "plus+backward"
+    assert in_backward["peak_bytes"] < 0.9 * plus["peak_bytes"]
+
+
+def test_bench_train_rejects_an_unknown_in_backward_mode(capsys):
+    assert main(["bench", "train", "--modes", "plus+backwards"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown mode 'plus+backwards'" in err and "any strategy with +backward" in err

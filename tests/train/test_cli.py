@@ -29,7 +29,7 @@ from collage.train.models import build_model
         (["train", "--steps", "ten"], "--steps: expected an integer"),
         (["memory", "--params", "lots"], "--params: expected a number"),
         (["memory", "--strategy", "plus,nope"], "--strategy: unknown strategy 'nope'"),
-        (["memory", "--grad-dtype", "fp8"], "--grad-dtype: expected bf16 or fp32"),
+        (["memory", "--grad-dtype", "fp8"], "--grad-dtype: expected one of bf16, fp32, none"),
         (["train", "--nproc", "3", "--batch-size", "4"],
          "--nproc 3: --batch-size 4 must be divisible by it"),
         (["train", "--nproc", "0"], "--nproc: must be positive, got 0"),

@@ -63,6 +63,16 @@ STRATEGIES = ("mixed", "bf16", "kahan", "stochastic", "light", "plus", "split")
 #: modes that train float32 weights with torch.optim.AdamW (fused), not a collage strategy
 TORCH_MODES = ("fp32", "autocast")
 MODES = TORCH_MODES + STRATEGIES
+#: ``<strategy>+backward``: the strategy with ``step_in_backward=True`` (docs/memory.md);
+#: asked for by name, not in the default set
+IN_BACKWARD = "+backward"
+VALID_MODES = MODES + tuple(s + IN_BACKWARD for s in STRATEGIES)
+
+
+def _split_mode(mode: str) -> tuple[str, bool]:
+    """(the strategy or torch mode, whether it steps in backward)."""
+    base = mode.removesuffix(IN_BACKWARD)
+    return base, base != mode
 MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "context", "checkpoint_activations",
                "recompute_mlp")
 
@@ -111,8 +121,9 @@ def _optimizer(mode: str, model: torch.nn.Module, lr: float):
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
     if mode in TORCH_MODES:
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    return AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, strategy=mode,
-                         fused=True)
+    strategy, in_backward = _split_mode(mode)
+    return AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, strategy=strategy,
+                 fused=True, step_in_backward=in_backward)
 
 
 class _Trainer:
@@ -127,7 +138,7 @@ class _Trainer:
         self.device = device
         self.model = build_model(model_cfg, VOCAB_SIZE, seed=seed).to(device)
         if mode not in TORCH_MODES:  # the strategy's weight dtype (bf16; mixed: its copy)
-            self.model = self.model.to(get_strategy(mode).weight_dtypes[0])
+            self.model = self.model.to(get_strategy(_split_mode(mode)[0]).weight_dtypes[0])
         self.lr = 1e-3
         self.optimizer = _optimizer(mode, self.model, self.lr)
         self.generator = torch.Generator().manual_seed(seed)
@@ -144,7 +155,7 @@ class _Trainer:
             logits = self.model(x)
         loss = cross_entropy(logits, y)
         del logits  # held by the loss for backward; nothing else needs it
-        loss.backward()
+        loss.backward()  # (``+backward`` modes step here, with the lr set last step)
         for group in self.optimizer.param_groups:  # a schedule: a new lr every step
             group["lr"] = self.lr * (0.5 + 0.5 * (self.index % 10) / 10)
         self.optimizer.step()
@@ -368,7 +379,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="speed rounds: fresh processes, each stepping every mode "
                         "interleaved (default 3)")
     p.add_argument("--modes", default=",".join(MODES),
-                   help=f"comma-separated: {', '.join(MODES)} (default: all)")
+                   help=f"comma-separated: {', '.join(MODES)} (default: all), or a "
+                        f"strategy with {IN_BACKWARD}: it steps in backward (e.g. "
+                        f"plus{IN_BACKWARD})")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--device", default="cpu",
                    help="cpu or cuda (default cpu); on CUDA peak memory is "
@@ -382,8 +395,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     modes = tuple(x.strip() for x in args.modes.split(",") if x.strip())
     for mode in modes:
-        if mode not in MODES:
-            raise UsageError(f"--modes: unknown mode {mode!r}; valid: {', '.join(MODES)}")
+        if mode not in VALID_MODES:
+            raise UsageError(f"--modes: unknown mode {mode!r}; valid: {', '.join(MODES)}, "
+                             f"and any strategy with {IN_BACKWARD} (step in backward)")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise UsageError("--steps and --rounds must be at least 1 and --warmup at least 0")
     if args.preset not in PRESETS:

@@ -21,6 +21,7 @@ from torch.optim.optimizer import required
 
 from ..metrics import UpdateStats
 from . import convert, dispatch, state_io
+from .backward import Cycle, GradSums, HookSet, check_keywords, refuse_data_parallel
 from .edits import WriteLog, hides_weight, rederive
 from .group import GroupStep, Item, check_gradient, local, make_item
 from .nonfinite import FiniteProof, all_ranks_max, nonfinite_flag, shard_group
@@ -89,7 +90,10 @@ class CollageOptimizer(Optimizer):
         track_updates: bool | int,
         nonfinite: str,
         seed: int,
+        step_in_backward: bool = False,
+        grad_accumulation: str = "plain",
     ) -> None:
+        check_keywords(step_in_backward, grad_accumulation)
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={nonfinite!r} is unknown; use one of: "
                              f"{', '.join(NONFINITE_POLICIES)}")
@@ -103,6 +107,9 @@ class CollageOptimizer(Optimizer):
         self.nonfinite = nonfinite
         self.track_updates = track_updates
         self.seed = seed
+        self.step_in_backward = step_in_backward
+        self.grad_accumulation = grad_accumulation
+        self._start_backward_hooks()
         self._device_skips: torch.Tensor | None = None
         self.skipped_steps = 0
         self.update_stats: dict[str, float] = {}
@@ -186,6 +193,10 @@ class CollageOptimizer(Optimizer):
         if self.track_updates:
             raise ValueError("capturable=True cannot measure lost updates (track_updates): "
                              "the sums are read on the host")
+        if self.step_in_backward:
+            raise ValueError("capturable=True cannot step in backward: each parameter's "
+                             "non-finite check is read on the host in its hook; use "
+                             "step_in_backward=False")
         if self.nonfinite == "raise":
             raise ValueError("capturable=True cannot raise on a non-finite gradient (raising "
                              "reads the verdict on the host, which waits for the device): use "
@@ -261,6 +272,10 @@ class CollageOptimizer(Optimizer):
                 if position is None:
                     position, self._next_position = self._next_position, self._next_position + 1
                 self._positions[id(param)] = position
+        if self._hooks is not None:
+            params = [p for group in self.param_groups for p in group["params"]]
+            refuse_data_parallel(params, self._hooked_feature())
+            self._hooks.sync(params)
 
     def _complete_group(self, group: dict, index: int) -> None:
         """A group put into ``param_groups`` by hand: the defaults filled in, as
@@ -299,11 +314,20 @@ class CollageOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # the step in backward's books: what its hooks did since the last step
+        cycle, self._cycle = self._cycle, None
+        self._refuse_scaler_after_hooks()
+        self._sums.write_grads(self._name_of)  # grad_accumulation="pair": sums to p.grad
         self._check_groups()
         self._convert_strategies()  # before gathering: the items hold the states
         batches = self._gather()
         sharded = shard_group(item.param for _, _, items in batches for item in items)
-        stats = UpdateStats() if self._measuring() else None
+        if cycle is not None:
+            cycle.refuse_regrown((item.name, item.param) for _, _, items in batches
+                                 for item in items)
+            self._report_skipped(cycle)
+        stats = (cycle.stats if cycle is not None
+                 else UpdateStats() if self._measuring() else None)
         groups = [(index, self._group_step(index, group, items, stats))
                   for index, group, items in batches]
         if not self._gradients_usable(batches, sharded, [step for _, step in groups]):
@@ -352,14 +376,15 @@ class CollageOptimizer(Optimizer):
                 self._writes.note(item.param for item in items)
 
     def _group_step(self, index: int, group: dict, items: list[Item],
-                    stats: UpdateStats | None) -> GroupStep:
-        """The plain data of one group's step (``group.GroupStep``)."""
+                    stats: UpdateStats | None, cache: dict | None = None) -> GroupStep:
+        """The plain data of one group's step (``group.GroupStep``); ``cache``: the paths'
+        cache, the group's by default."""
         book = self._books[id(group)]
         return GroupStep(
             self.rule, get_strategy(group["strategy"]), book.values, items, seed=self.seed,
             grad_scale=getattr(self, "grad_scale", None), foreach=group["foreach"],
             fused=group["fused"], reference=group["reference"], stats=stats,
-            cache=book.cache, warn=self._warn_fallback)
+            cache=book.cache if cache is None else cache, warn=self._warn_fallback)
 
     def _gather(self) -> list[Batch]:
         """(group index, group, items) for the parameters that have gradients. This runs
@@ -387,6 +412,15 @@ class CollageOptimizer(Optimizer):
                                    keys)))
             batches.append((index, group, items))
         return batches
+
+    def _item_of(self, index: int, group: dict, name: str, param: torch.Tensor) -> Item:
+        """One parameter's item, as :meth:`_gather` makes it (the same metric keys)."""
+        check_gradient(name, param, param.grad)
+        keys = ("", f"group{index}")
+        if "param_names" in group:
+            keys = (*keys, name)
+        return Item(name, param, param.grad, self.state[param],
+                    self._parameter_positions()[id(param)], keys)
 
     def _parameter_positions(self) -> dict[int, int]:
         """``id(param)``: the parameter's position in the optimizer (a key of its
@@ -435,6 +469,141 @@ class CollageOptimizer(Optimizer):
             warnings.warn(f"collage: fused path unavailable: {reason}", RuntimeWarning,
                           stacklevel=5)
             self._warned = True
+
+    # ----------------------------------------------------------------------- in backward
+
+    def _start_backward_hooks(self) -> None:
+        """The hooks of ``step_in_backward`` and ``grad_accumulation="pair"``
+        (``backward.py``); parameters are hooked as they join (:meth:`_admit`)."""
+        self._cycle: Cycle | None = None
+        self._sums = GradSums()
+        wanted = self.step_in_backward or self.grad_accumulation != "plain"
+        self._hooks = HookSet(self, CollageOptimizer._on_grad_ready) if wanted else None
+
+    def _hooked_feature(self) -> str:
+        return ("step_in_backward=True" if self.step_in_backward
+                else f"grad_accumulation={self.grad_accumulation!r}")
+
+    # Autograd calls it in the middle of backward: never traced (see step()).
+    @torch.compiler.disable
+    @torch.no_grad()
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        """A parameter's gradient is complete (its post-accumulate-grad hook)."""
+        refuse_data_parallel((), self._hooked_feature())  # a process group made since
+        if self.step_in_backward:
+            self._step_one(param)
+        else:
+            self._sums.fold(param)
+
+    def _open_cycle(self) -> Cycle:
+        """At the first hook since the last step: check the groups as step() does, once,
+        and decide whether this step is measured."""
+        self._check_groups()
+        self._convert_strategies()
+        owner = {id(param): (index, group, name)
+                 for index, group in enumerate(self.param_groups)
+                 for name, param in zip(self._param_names(group, index), group["params"])}
+        self._cycle = Cycle(owner, UpdateStats() if self._measuring() else None)
+        return self._cycle
+
+    def _step_one(self, param: torch.Tensor) -> None:
+        """Step one parameter on its complete gradient, then free the gradient: what
+        step() does to it, through the same dispatch, as a group of one."""
+        cycle = self._cycle if self._cycle is not None else self._open_cycle()
+        owner = cycle.owner.get(id(param))
+        if owner is None or param.grad is None:  # not ours (a hook copied with the model)
+            return
+        self._refuse_scaler_in_hook()
+        index, group, name = owner
+        item = self._item_of(index, group, name, param)
+        if self._finite_or_skipped(cycle, item):
+            book = self._books[id(group)]
+            # a plan (native, Triton) per parameter, kept in the group's cache (reset with
+            # it) so that the parameters' plans never evict each other
+            cache = book.cache.setdefault(("in_backward", id(param)), {})
+            ready = dispatch.prepare(self._group_step(index, group, [item], cycle.stats,
+                                                      cache))
+            strategy = get_strategy(group["strategy"])
+            again = self._writes.rederive_edited(
+                strategy, [item], same_pointers=ready.plan_grads is not None)
+            book.path = dispatch.run(ready)
+            if not (ready.by_plan and not again) and hides_weight(strategy):
+                self._writes.note((param,))
+            cycle.stepped.add(id(param))
+        param.grad = None
+
+    def _finite_or_skipped(self, cycle: Cycle, item: Item) -> bool:
+        """The non-finite policy for one parameter stepped in backward: the others'
+        gradients do not exist yet, so the verdict is per parameter (``docs/memory.md``)."""
+        if self.nonfinite == "ignore" or item.grad.device.type == "meta":
+            return True
+        if not bool(nonfinite_flag([local(item.grad)]).item()):
+            return True
+        if self.nonfinite == "raise":
+            raise FloatingPointError(
+                f"non-finite gradient in parameter {item.name!r}; it was not updated, but "
+                "with step_in_backward=True the parameters whose gradients completed "
+                "earlier in this backward were. Use nonfinite='skip' to skip such a "
+                "parameter's update, or find the overflow")
+        cycle.skipped.append(item.name)
+        return False
+
+    def _report_skipped(self, cycle: Cycle) -> None:
+        """At step(): count a step whose backward skipped parameters as one skipped step,
+        and say which were skipped."""
+        if not cycle.skipped:
+            return
+        self.skipped_steps += 1
+        where = ", ".join(repr(n) for n in cycle.skipped[:5])
+        warnings.warn(f"collage: step in backward skipped {len(cycle.skipped)} parameter(s) "
+                      f"on a non-finite gradient ({where}); they and their states are "
+                      "unchanged, the other parameters were stepped", RuntimeWarning,
+                      stacklevel=4)
+
+    def _refuse_scaler_in_hook(self) -> None:
+        if getattr(self, "grad_scale", None) is not None:
+            raise RuntimeError(_SCALER_IN_BACKWARD)
+
+    def _refuse_scaler_after_hooks(self) -> None:
+        """GradScaler sets ``found_inf`` from the gradients it sees in p.grad: under our
+        hooks there are none (stepped, or accumulated here)."""
+        if getattr(self, "found_inf", None) is None:
+            return
+        if self.step_in_backward:
+            raise RuntimeError(_SCALER_IN_BACKWARD)
+        if len(self._sums):
+            raise RuntimeError(
+                "grad_accumulation='pair' keeps the gradients in the optimizer until "
+                "step(), so GradScaler found no gradient to check for inf: call "
+                "optimizer.write_grads() before scaler.step(optimizer) (or before "
+                "scaler.unscale_(optimizer))")
+
+    def _name_of(self, param: torch.Tensor) -> str:
+        """The name of one of the optimizer's parameters (for an error message)."""
+        for index, group in enumerate(self.param_groups):
+            for name, member in zip(self._param_names(group, index), group["params"]):
+                if member is param:
+                    return name
+        return "(not in the optimizer)"
+
+    def write_grads(self) -> None:
+        """Write the gradients accumulated in the optimizer (``grad_accumulation="pair"``)
+        into ``p.grad``, each float32 sum rounded once to the weight dtype, and free the
+        sums. step() and clip_grad_norm_ do it themselves; call it before other code that
+        reads ``p.grad`` (``torch.nn.utils.clip_grad_norm_``, GradScaler, logging). Until
+        then ``p.grad`` is None after backward. Nothing to do otherwise."""
+        self._sums.write_grads(self._name_of)
+
+    def accumulated_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The float32 sum of ``param``'s gradients accumulated since the last step or
+        ``zero_grad`` (``grad_accumulation="pair"``), or None: the optimizer's tensor, to
+        read (a copy is the caller's to make)."""
+        return self._sums.sum_of(param)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.optim's, and the accumulated gradients dropped (``grad_accumulation``)."""
+        self._sums.clear()
+        super().zero_grad(set_to_none)
 
     # ----------------------------------------------------------------------- non-finite
 
@@ -540,6 +709,12 @@ class CollageOptimizer(Optimizer):
         Parameters sharded over ranks (FSDP2) are checked as usual. What the version
         counters cannot see (writes through ``.data``) is in ``docs/reliability.md``.
         """
+        if self.step_in_backward:
+            raise RuntimeError(
+                "clip_grad_norm_ cannot clip under step_in_backward=True: each parameter is "
+                "stepped as soon as its gradient is complete, before the global norm "
+                "exists; use step_in_backward=False to clip by the global norm")
+        self._sums.write_grads(self._name_of)
         params = [p for group in self.param_groups for p in group["params"]
                   if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
@@ -583,6 +758,7 @@ class CollageOptimizer(Optimizer):
         # tensors would live beside the new ones until each group's next step
         for book in self._books.values():
             book.cache = {}
+        self._cycle = None  # (its books describe the old groups)
         state_io.load(self, state_dict)
         # the loaded states describe the weights they were saved with, whichever of the
         # model and the optimizer is loaded first: the next step trusts the weights
@@ -600,7 +776,7 @@ class CollageOptimizer(Optimizer):
     #: pickle with the groups' books and the positions; the rest (the paths' caches, the
     #: clipping proof, warnings given) start afresh
     _COPIED = ("nonfinite", "track_updates", "seed", "skipped_steps", "update_stats",
-               "_steps_taken", "_next_position")
+               "_steps_taken", "_next_position", "step_in_backward", "grad_accumulation")
 
     def __getstate__(self) -> dict[str, Any]:
         self._settle_skips()
@@ -618,6 +794,8 @@ class CollageOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
         books, positions = state.pop("_books", None), state.pop("_positions", None)
+        state.setdefault("step_in_backward", False)  # (pickled before these keywords)
+        state.setdefault("grad_accumulation", "plain")
         super().__setstate__(state)
         self._device_skips = None
         self._books = {id(book.group): book for book in books or ()}
@@ -625,7 +803,18 @@ class CollageOptimizer(Optimizer):
         self._warned = False
         self._finite_proof = None
         self._writes = WriteLog()  # the copy's parameters are new objects
+        # the copy hooks its own parameters; accumulated gradients are not copied (as
+        # p.grad is not part of an optimizer's state)
+        self._start_backward_hooks()
+        if self._hooks is not None:
+            self._hooks.sync(p for group in self.param_groups for p in group["params"])
 
+
+_SCALER_IN_BACKWARD = (
+    "GradScaler cannot be used with step_in_backward=True: the parameters are stepped "
+    "during backward, on the scaled gradients, before the scaler unscales or checks them "
+    "(the weights stepped in the last backward used scaled gradients). Use bf16 weights "
+    "without a scaler, or step_in_backward=False")
 
 #: torch.optim's keywords whose True is not implemented, and why
 _UNSUPPORTED = {

@@ -37,6 +37,16 @@ _SHARED_DOC = """
         changes, ``skipped_steps`` grows, a warning), ``"raise"``, or ``"ignore"``.
     seed: seed of the stochastic-rounding draws, which are keyed by (seed, parameter
         position, step) (saved in ``state_dict``).
+    step_in_backward: step each parameter during ``backward()``, as soon as its gradient
+        is complete, and free the gradient (``p.grad`` is None after backward): no
+        gradient is held for the whole model. Call ``step()`` after backward as usual (it
+        keeps the books). Per-parameter non-finite check; no ``clip_grad_norm_``, no
+        GradScaler, no DDP/FSDP2 (``docs/memory.md``).
+    grad_accumulation: ``"plain"`` (default: autograd adds each backward's gradient into
+        ``p.grad`` in the weight dtype) or ``"pair"``: the optimizer keeps a float32 sum of
+        the gradients of the backward passes since the last step (2 more bytes per
+        parameter while accumulating) and ``step()`` uses it; ``p.grad`` is None between
+        backward and step (``write_grads()`` writes it; ``docs/memory.md``).
 """
 
 
@@ -80,6 +90,8 @@ class AdamW(CollageOptimizer):
         track_updates: bool | int = False,
         nonfinite: str = "skip",
         seed: int = 0,
+        step_in_backward: bool = False,
+        grad_accumulation: str = "plain",
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
                         eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -87,7 +99,8 @@ class AdamW(CollageOptimizer):
                         capturable=capturable, differentiable=differentiable)
         super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
                          reference=reference, track_updates=track_updates,
-                         nonfinite=nonfinite, seed=seed)
+                         nonfinite=nonfinite, seed=seed, step_in_backward=step_in_backward,
+                         grad_accumulation=grad_accumulation)
 
 
 class SGD(CollageOptimizer):
@@ -121,13 +134,16 @@ class SGD(CollageOptimizer):
         track_updates: bool | int = False,
         nonfinite: str = "skip",
         seed: int = 0,
+        step_in_backward: bool = False,
+        grad_accumulation: str = "plain",
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
                         differentiable=differentiable, capturable=capturable)
         super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
                          reference=reference, track_updates=track_updates,
-                         nonfinite=nonfinite, seed=seed)
+                         nonfinite=nonfinite, seed=seed, step_in_backward=step_in_backward,
+                         grad_accumulation=grad_accumulation)
 
 
 class Lion(CollageOptimizer):
@@ -157,6 +173,8 @@ class Lion(CollageOptimizer):
         track_updates: bool | int = False,
         nonfinite: str = "skip",
         seed: int = 0,
+        step_in_backward: bool = False,
+        grad_accumulation: str = "plain",
     ) -> None:
         # differentiable=False as torch.optim's every optimizer has it (its __setstate__
         # adds it otherwise, so a copy's defaults would differ from the original's)
@@ -165,5 +183,6 @@ class Lion(CollageOptimizer):
                         differentiable=False)
         super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
                          reference=reference, track_updates=track_updates,
-                         nonfinite=nonfinite, seed=seed)
+                         nonfinite=nonfinite, seed=seed, step_in_backward=step_in_backward,
+                         grad_accumulation=grad_accumulation)
 

@@ -92,7 +92,11 @@ def make_optimizer(model: nn.Module, optim: OptimConfig, strategy: str, *, beta2
     ``bf16_stochastic_round=True`` (torchao's option for bf16 weights; without it every
     update is rounded to nearest into bf16, the ``bf16`` strategy's loss): the 8-bit
     baseline of ``docs/eight_bit.md``. It measures no EDQ."""
+    hooked = optim.step_in_backward or optim.grad_accumulation != "plain"
     if strategy == "torchao-adamw8bit":
+        if hooked:
+            raise UsageError("--step-in-backward and --grad-accumulation pair are collage "
+                             "optimizers' keywords: not for torchao-adamw8bit")
         from torchao.optim import AdamW8bit
 
         groups = [{**g, "params": [p for _, p in g["params"]]}
@@ -103,6 +107,7 @@ def make_optimizer(model: nn.Module, optim: OptimConfig, strategy: str, *, beta2
         param_groups(model, optim.weight_decay), lr=optim.lr, betas=(optim.beta1, beta2),
         eps=optim.eps, weight_decay=optim.weight_decay, strategy=strategy,
         foreach=optim.foreach, track_updates=track_every or False, seed=seed,
+        step_in_backward=optim.step_in_backward, grad_accumulation=optim.grad_accumulation,
     )
 
 

@@ -74,8 +74,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "the model of --preset / the model flags when given)")
     p.add_argument("--strategy", nargs="+", default=None, metavar="NAME",
                    help="strategies to show, space or comma separated (default: all)")
-    p.add_argument("--grad-dtype", default="bf16", metavar="{bf16,fp32}",
-                   help="gradient dtype of the low-precision strategies")
+    p.add_argument("--grad-dtype", default="bf16", metavar="{bf16,fp32,none}",
+                   help="gradient bytes: bf16 (the low-precision strategies' own), fp32 "
+                   "(also --grad-accumulation pair while accumulating), none "
+                   "(--step-in-backward: each gradient freed in backward)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_config_flags(p, "memory", sections=("model",))
     p.set_defaults(func=cmd_memory)
@@ -219,7 +221,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
                 chosen.append(name)
     chosen = chosen or list(valid)
     if args.grad_dtype not in GRAD_DTYPES:
-        raise UsageError(f"--grad-dtype: expected bf16 or fp32, got {args.grad_dtype!r}")
+        raise UsageError(f"--grad-dtype: expected one of {', '.join(GRAD_DTYPES)}, got "
+                         f"{args.grad_dtype!r}")
     if args.json:
         mixed = bytes_per_param(COMPARED_WITH, args.grad_dtype).total * n
         rows: list[dict[str, Any]] = []

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..optim import STRATEGIES
+from ..optim.backward import GRAD_ACCUMULATIONS
 
 __all__ = [
     "Config",
@@ -200,9 +201,19 @@ class OptimConfig:
     min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of --lr")
     grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: off)")
     foreach: bool | None = _opt(None, "use the foreach (multi-tensor) kernels (none: automatic)")
+    grad_accum: int = _opt(1, "micro-batches per optimizer step: each batch is split into this "
+                           "many (--batch-size divisible by it), one backward each")
+    grad_accumulation: str = _opt("plain", "how the micro-batches' gradients add up: plain "
+                                  "(autograd, in the weight dtype) or pair (a float32 sum "
+                                  "kept by the optimizer; docs/memory.md)",
+                                  choices=GRAD_ACCUMULATIONS)
+    step_in_backward: bool = _opt(False, "step each parameter in backward as soon as its "
+                                  "gradient is complete, and free it (needs --grad-clip 0 "
+                                  "and --grad-accum 1; docs/memory.md)")
 
     def __post_init__(self) -> None:
         _finite("optim", self)
+        self._check_backward()
         valid = strategies()
         if self.strategy not in valid:
             _fail("optim", "strategy", f"unknown strategy {self.strategy!r}; valid: "
@@ -219,6 +230,24 @@ class OptimConfig:
                 _fail("optim", name, f"must not be negative, got {getattr(self, name)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             _fail("optim", "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+
+    def _check_backward(self) -> None:
+        """--grad-accum, --grad-accumulation and --step-in-backward, and what the step in
+        backward cannot do: clip by the global norm (unknown until backward ends) or add up
+        several backward passes (each one steps)."""
+        if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            _fail("optim", "grad_accum", f"must be an integer >= 1, got {self.grad_accum!r}")
+        if self.grad_accumulation not in GRAD_ACCUMULATIONS:
+            _fail("optim", "grad_accumulation", f"unknown {self.grad_accumulation!r}; valid: "
+                  + ", ".join(GRAD_ACCUMULATIONS))
+        if not self.step_in_backward:
+            return
+        if self.grad_clip > 0:
+            _fail("optim", "step_in_backward", "each parameter is stepped before the global "
+                  "gradient norm exists, so it cannot be clipped: add --grad-clip 0")
+        if self.grad_accum > 1 or self.grad_accumulation != "plain":
+            _fail("optim", "step_in_backward", "every backward steps, so nothing accumulates: "
+                  "use --grad-accum 1 --grad-accumulation plain")
 
 
 @dataclass(kw_only=True)
@@ -355,6 +384,14 @@ class Config:
         if self.run.stop_after is not None and self.run.stop_after > self.run.steps:
             raise UsageError(f"--stop-after {self.run.stop_after} exceeds --steps "
                              f"{self.run.steps}")
+        if self.data.batch_size % self.optim.grad_accum:
+            raise UsageError(f"--grad-accum {self.optim.grad_accum}: --batch-size "
+                             f"{self.data.batch_size} must be divisible by it (equal "
+                             "micro-batches)")
+        hooked = self.optim.step_in_backward or self.optim.grad_accumulation != "plain"
+        if hooked and self.run.nproc > 1:
+            raise UsageError("--step-in-backward and --grad-accumulation pair run before "
+                             "DDP's all-reduce (docs/memory.md): use --nproc 1")
         if self.data.tokenizer != "bytes" and self.model.family == "bert":
             raise UsageError("--tokenizer bpe: the masked LM (bert) masks with the byte "
                              "vocabulary's [MASK] id; use --tokenizer bytes")

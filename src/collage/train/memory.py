@@ -29,7 +29,11 @@ and v with a float32 scale per block of 256; torchao keeps tensors under 4096 el
 full-precision states, so a small model measures more than the model says.
 
 ``mixed`` keeps its fp32 master copy (4 bytes) under *weights* (2 + 4). With
-``grad_dtype="fp32"`` (gradients accumulated in fp32) every strategy but fp32 pays 2 more bytes.
+``grad_dtype="fp32"`` (gradients accumulated in fp32, as ``grad_accumulation="pair"`` keeps
+them between backward and step) every strategy but fp32 pays 2 more bytes; with
+``grad_dtype="none"`` (``step_in_backward=True``: each gradient freed as soon as its
+parameter is stepped) every strategy saves its gradient bytes (``plus``: 10; one parameter's
+gradient at a time is a transient, like activations).
 Activations, temporary buffers and the allocator's slack are not in the model: they depend on
 batch size and kernels, and are what the measured peak adds on top.
 """
@@ -64,7 +68,10 @@ __all__ = [
     "ROLES",
 ]
 
-GRAD_DTYPES = ("bf16", "fp32")
+#: the gradient's bytes: "bf16" (the weight's dtype, as autograd makes it), "fp32" (fp32
+#: gradients; also ``grad_accumulation="pair"``'s float32 sums while accumulating), "none"
+#: (``step_in_backward=True``: each gradient is freed as its parameter is stepped)
+GRAD_DTYPES = ("bf16", "fp32", "none")
 #: The strategy ``collage memory`` states every total against (the usual mixed precision).
 COMPARED_WITH = "mixed"
 
@@ -177,9 +184,11 @@ def bytes_per_param(strategy: str, grad_dtype: str = "bf16") -> BytesPerParam:
         raise ValueError(f"grad_dtype {grad_dtype!r} is unknown; valid: " + ", ".join(GRAD_DTYPES))
     layout = _LAYOUTS[strategy]
     grad = torch.float32 if grad_dtype == "fp32" else layout.weight_dtype
-    text = (f"{layout.weight_text} | g {dtype_name(grad)} | {layout.state_text}"
-            f"{layout.note}")
-    return BytesPerParam(strategy, layout.weights, grad.itemsize, layout.optimizer_states,
+    grad_text, grad_bytes = f"g {dtype_name(grad)}", grad.itemsize
+    if grad_dtype == "none":  # step in backward: one parameter's gradient at a time
+        grad_text, grad_bytes = "g freed in backward", 0
+    text = f"{layout.weight_text} | {grad_text} | {layout.state_text}{layout.note}"
+    return BytesPerParam(strategy, layout.weights, grad_bytes, layout.optimizer_states,
                          layout.compensation, text)
 
 

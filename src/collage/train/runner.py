@@ -238,12 +238,10 @@ def _train_step(s: Session, step: int, probe: _StepProbe, cursor: _Cursor) -> No
     x, y = x[rows].to(s.device), y[rows].to(s.device)
     _sync(s.device)
     t0 = time.perf_counter()
-    if s.ranks.distributed:
-        loss = rank_loss(s.net, x, y, s.ranks)
-    else:
-        loss = token_loss(s.net, x, y)
-    loss.backward()
-    grad_norm = clip_gradients(s.model, s.config.optim.grad_clip)
+    if s.config.optim.step_in_backward:  # backward writes the weights: no checkpoint
+        cursor.phase = "update"
+    loss = _backward(s, x, y)
+    grad_norm = _clip(s)
     lr = float(s.opt.param_groups[0]["lr"])  # torchao keeps lr as a 0-d tensor
     cursor.phase = "update"
     stats_before = getattr(s.opt, "update_stats", None)
@@ -266,6 +264,39 @@ def _train_step(s: Session, step: int, probe: _StepProbe, cursor: _Cursor) -> No
         s.tokens_timed += s.config.data.batch_size * s.config.model.context
         s.time_timed += dt
     _record_step(s, step, loss_value, lr, grad_norm, stats if tracked else None)
+
+
+def _backward(s: Session, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The forward and backward passes of one step: one, or ``--grad-accum`` N on equal
+    slices of the batch, each loss the slice's token sum over the whole batch's count, so
+    that the gradients add up to the whole batch's mean loss; returns that loss."""
+    if s.ranks.distributed:  # (--grad-accum > 1 is refused with --nproc > 1)
+        loss = rank_loss(s.net, x, y, s.ranks)
+        loss.backward()
+        return loss
+    n = s.config.optim.grad_accum
+    if n == 1:
+        loss = token_loss(s.net, x, y)
+        loss.backward()
+        return loss
+    count = (y != -100).sum().clamp(min=1)
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    for xs, ys in zip(x.chunk(n), y.chunk(n)):
+        part = token_loss(s.net, xs, ys, reduction="sum") / count
+        part.backward()
+        total += part.detach()
+    return total
+
+
+def _clip(s: Session) -> float:
+    """Clip the gradients (``--grad-clip``); returns their norm, nan where it is never
+    formed (``--step-in-backward``: no gradient outlives backward)."""
+    if s.config.optim.step_in_backward:
+        return math.nan
+    write_grads = getattr(s.opt, "write_grads", None)  # --grad-accumulation pair's sums
+    if write_grads is not None:
+        write_grads()
+    return clip_gradients(s.model, s.config.optim.grad_clip)
 
 
 def _record_step(s: Session, step: int, loss: float, lr: float, grad_norm: float,

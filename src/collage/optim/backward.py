@@ -1,0 +1,198 @@
+"""What the optimizers do during ``backward()``: the step in backward and the compensated
+gradient accumulation (``docs/memory.md``).
+
+Both run in a hook torch calls on each parameter once its gradient is complete
+(``Tensor.register_post_accumulate_grad_hook``), and both free ``p.grad`` there:
+
+* ``step_in_backward=True``: the hook steps the parameter (``CollageOptimizer._step_one``);
+  ``opt.step()`` afterwards keeps the books (:class:`Cycle`).
+* ``grad_accumulation="pair"``: the hook adds the gradient into a float32 running sum kept
+  here (:class:`GradSums`); ``step()`` writes its bf16 rounding into ``p.grad`` first.
+
+This module holds the plain parts: the keywords' validation, the refusals under data
+parallelism, the hooks' bookkeeping and the running sums. The optimizer calls them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..metrics import UpdateStats
+
+__all__ = ["GRAD_ACCUMULATIONS", "Cycle", "GradSums", "HookSet", "check_keywords",
+           "refuse_data_parallel"]
+
+#: ``grad_accumulation``'s values: what happens to a gradient between backward and step
+GRAD_ACCUMULATIONS = ("plain", "pair")
+
+
+def check_keywords(step_in_backward: object, grad_accumulation: object) -> None:
+    """Clear errors for the two keywords and their one forbidden combination."""
+    if not isinstance(step_in_backward, bool):
+        raise TypeError(f"step_in_backward must be True or False, got {step_in_backward!r}")
+    if grad_accumulation not in GRAD_ACCUMULATIONS:
+        raise ValueError(f"grad_accumulation={grad_accumulation!r} is unknown; use one of: "
+                         f"{', '.join(map(repr, GRAD_ACCUMULATIONS))}")
+    if step_in_backward and grad_accumulation != "plain":
+        raise ValueError(
+            "step_in_backward=True steps each parameter during every backward(), so there "
+            "is no gradient left to accumulate: grad_accumulation='pair' needs "
+            "step_in_backward=False (accumulate over micro-batches, then step())")
+
+
+def refuse_data_parallel(params: Iterable[torch.Tensor], what: str) -> None:
+    """Refuse where the hook cannot see the gradient the step must use.
+
+    FSDP2 (parameters are DTensors): it reduce-scatters after backward and assigns the
+    sharded ``.grad`` itself, outside autograd's accumulation, so no hook ever fires on the
+    parameters the optimizer holds. DDP (plain tensors, a process group of several ranks):
+    torch runs the hook when the *local* gradient is complete, before DDP's all-reduce, so a
+    step there would use this rank's gradient only, and accumulated gradients would bypass
+    the reduction. Neither can be made right from the optimizer: refuse, saying so.
+    """
+    for param in params:
+        if hasattr(param, "device_mesh"):
+            raise NotImplementedError(
+                f"{what} is not supported with FSDP2 (DTensor parameters): FSDP2 assigns the "
+                "reduce-scattered gradient after backward, outside autograd, so the hook that "
+                f"{what} relies on never fires; leave it off (FSDP2 already frees the "
+                "unsharded gradients)")
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise NotImplementedError(
+            f"{what} is not supported under DDP (a process group of "
+            f"{dist.get_world_size()} ranks): torch runs the per-parameter hook on the local "
+            "gradient, before DDP's all-reduce, so the step would not see the reduced "
+            "gradient; leave it off under data parallelism")
+
+
+@dataclass
+class Cycle:
+    """What the hooks of one backward pass (or several, until ``step()``) share: checked
+    once at its first hook. ``owner``: ``id(param)``: (group index, group, name);
+    ``stats``: the measured sums of this step, or None; ``skipped``: names of parameters
+    whose non-finite gradient was skipped (``nonfinite="skip"``); ``stepped``: the
+    parameters a hook stepped."""
+
+    owner: dict[int, tuple[int, dict, str]]
+    stats: UpdateStats | None
+    skipped: list[str] = field(default_factory=list)
+    #: ``id(param)`` of the parameters stepped by a hook
+    stepped: set[int] = field(default_factory=set)
+
+    def refuse_regrown(self, names_and_params: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A parameter stepped in backward that has a gradient again at step(): something
+        wrote ``p.grad`` after autograd's accumulation. DDP does (the all-reduced gradient,
+        at the end of backward): the step used the local gradient. Refuse, saying so."""
+        for name, param in names_and_params:
+            if id(param) in self.stepped:
+                raise RuntimeError(_WRITTEN_AFTER.format(
+                    name=name, what="step_in_backward=True stepped it on the gradient "
+                    "autograd completed, and freed it"))
+
+
+_WRITTEN_AFTER = (
+    "parameter {name!r} has a gradient written after backward's hook ran: {what}. Something "
+    "wrote p.grad after autograd's accumulation; DDP does (the all-reduced gradient, at the "
+    "end of backward), so the hook saw the local gradient only. This is not supported under "
+    "DDP: leave step_in_backward and grad_accumulation at their defaults there")
+
+
+class GradSums:
+    """The float32 running sum of each parameter's gradients over the backward passes since
+    the last ``step()`` or ``zero_grad()`` (``grad_accumulation="pair"``).
+
+    A float32 is the pair (its high half, which is a bf16, and a 16-bit low half): 4 bytes,
+    2 more than the bf16 gradient buffer of plain accumulation. Each gradient is added
+    exactly converted (bf16 and fp16 values are float32 values) with one float32 rounding,
+    so the sum is bit for bit the sequential float32 sum of the gradients. A TwoSum pair of
+    bf16 (``collage.mcf.eft.grow``) holds about 17 significant bits and errs by up to about
+    2**-16 of the running sum per addition: measured in
+    ``docs/benchmarks/intel-xeon-2c_2026-12-05_grad-accum.md``, it misses the goal of
+    2**-16 relative to the float32 sum that the float32 sum meets by construction.
+    """
+
+    def __init__(self) -> None:
+        #: ``id(param)``: (param, its float32 running sum)
+        self._sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self._sums)
+
+    def fold(self, param: torch.Tensor) -> None:
+        """Add ``param.grad`` to its running sum and free it (``param.grad = None``), so that
+        the next backward's gradient is not added to it in the weight dtype."""
+        grad = param.grad
+        if grad is None:
+            return
+        entry = self._sums.get(id(param))
+        if entry is None:
+            # exact (bf16/fp16 -> float32); a float32 gradient is copied, never aliased
+            self._sums[id(param)] = (param, grad.to(torch.float32, copy=True))
+        else:
+            entry[1].add_(grad)  # float32 += (exactly widened) gradient: one rounding
+        param.grad = None
+
+    def sum_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The running float32 sum of ``param``'s gradients (None if none since the last
+        step): read-only use."""
+        entry = self._sums.get(id(param))
+        return None if entry is None else entry[1]
+
+    def write_grads(self, name_of: Callable[[torch.Tensor], str]) -> None:
+        """Write each running sum, rounded once to the weight dtype, into ``p.grad``,
+        freeing the sums one by one: the peak is the gradients plus one parameter's sum. A
+        ``p.grad`` written since the hook freed it is refused (DDP writes one), before
+        anything changes."""
+        for param, _ in self._sums.values():
+            if param.grad is not None:
+                raise RuntimeError(_WRITTEN_AFTER.format(
+                    name=name_of(param), what="grad_accumulation='pair' moved the "
+                    "gradient into the optimizer's float32 sum, and freed it"))
+        while self._sums:
+            _, (param, total) = self._sums.popitem()
+            param.grad = total.to(param.dtype)
+            del total
+
+    def clear(self) -> None:
+        self._sums.clear()
+
+
+class HookSet:
+    """One post-accumulate-grad hook per parameter, calling ``on_ready(param)``. The hook
+    holds the optimizer weakly: a dropped optimizer leaves no live hook behind (a hook of a
+    dead optimizer does nothing)."""
+
+    def __init__(self, owner: object, on_ready: Callable[[object, torch.Tensor], None]
+                 ) -> None:
+        self._owner = weakref.ref(owner)
+        self._on_ready = on_ready
+        #: ``id(param)``: (param, handle)
+        self._handles: dict[int, tuple[torch.Tensor, object]] = {}
+
+    def sync(self, params: Iterable[torch.Tensor]) -> None:
+        """Hook exactly ``params``: new ones hooked, those no longer there unhooked."""
+        wanted = {id(p): p for p in params}
+        for key in [k for k in self._handles if k not in wanted]:
+            self._handles.pop(key)[1].remove()
+        for key, param in wanted.items():
+            if key not in self._handles:
+                handle = param.register_post_accumulate_grad_hook(self._hook)
+                self._handles[key] = (param, handle)
+
+    def remove(self) -> None:
+        for _, handle in self._handles.values():
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, param: torch.Tensor) -> None:
+        owner = self._owner()
+        # only the parameters hooked here: a copy of a parameter that carried the hook
+        # along must not feed its gradient to this optimizer
+        known = self._handles.get(id(param))
+        if owner is not None and known is not None and known[0] is param:
+            self._on_ready(owner, param)
