@@ -8,6 +8,7 @@ strategy is a parameter (and a per-group key), never a subclass.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -203,7 +204,7 @@ class CollageOptimizer(Optimizer):
                 f"param group {index} has {len(names)} param_names for {len(params)} "
                 "parameters: a parameter was removed from its 'params' but not its name "
                 "from 'param_names'; remove both")
-        return [*names, *(f"group{index}.param{i}" for i in range(len(names), len(params)))]
+        return [*names, *_generated_names(index, len(names), len(params))]
 
     # ----------------------------------------------------------------------- groups
 
@@ -703,3 +704,10 @@ def _frozen(value) -> Any:
     if isinstance(value, dict):
         return ("dict", *sorted((repr(k), _frozen(v)) for k, v in value.items()))
     return value
+
+
+@functools.lru_cache(maxsize=256)
+def _generated_names(index: int, start: int, stop: int) -> tuple[str, ...]:
+    """``group<index>.param<i>`` for ``i`` in ``start .. stop - 1``: made once, not a string
+    per parameter and step (a small model's step is mostly per-tensor costs, #31)."""
+    return tuple(f"group{index}.param{i}" for i in range(start, stop))

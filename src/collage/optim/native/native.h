@@ -45,7 +45,7 @@
 #define COLLAGE_AVX512 0
 #endif
 
-#define COLLAGE_ABI 5
+#define COLLAGE_ABI 6
 
 /* strategies, in collage.optim.native.STRATEGY_CODES order */
 enum { S_FP32, S_MIXED, S_BF16, S_KAHAN, S_STOCHASTIC, S_LIGHT, S_PLUS, S_SPLIT };
@@ -132,5 +132,7 @@ void collage_stochastic_keys(int64_t count, int64_t *table, const uint64_t *stat
                              int64_t step);
 int collage_stochastic_round(const float *x, int64_t n, int64_t first, int64_t key0,
                              int64_t key1, uint16_t *out, int pairs);
+int collage_residual_pairs(const float *x, int64_t n, uint16_t *hi, uint16_t *lo,
+                           int pairs);
 
 #endif /* COLLAGE_NATIVE_H */
