@@ -170,7 +170,7 @@ int collage_nonfinite(int wide, int64_t count, const int64_t *table, int threads
     int64_t total = 0;
     for (int64_t t = 0; t < count; t++) total += table[2 * t + 1];
 #ifdef _OPENMP
-    int64_t parts = thread_parts(total, threads);
+    int64_t parts = thread_parts(total, threads, CHECK_MIN_CHUNK);
     int bad = 0;
     if (parts > 1) {
 #pragma omp parallel for num_threads((int)parts) schedule(static, 1) reduction(| : bad)
