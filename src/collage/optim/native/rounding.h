@@ -26,8 +26,9 @@ static inline uint16_t bf_round(float x) {
 }
 
 /* A pair (hi, lo) in canonical form (strategies.strategy.normalize_pair): hi the nearest
- * (ties to even) of hi + lo, lo the exact rest; lo = +0 where hi is not finite. hi + lo is
- * exact in float32 for the pairs the kernels make, and so is the rest. */
+ * (ties to even) of the float32 sum hi + lo, lo the exact rest; lo = +0 where hi is not
+ * finite. hi + lo is exact in float32 for the residual landing's pairs (then so is the
+ * rest), not for every Kahan pair (docs/strategies.md, at kahan). */
 static inline void bf_normalize(uint16_t *hi, uint16_t *lo) {
     float total = bf_load(*hi) + bf_load(*lo);
     uint16_t nearest = bf_round(total);
