@@ -14,7 +14,15 @@ from collage.optim import nonfinite as nonfinite_check
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 
-SIZES = (1, 31, 32, 33, 1000, 70_001, 140_003)  # tails; above 2 x 65,536: two threads
+#: tails; in all above 2 x 262,144 elements (the check's CHECK_MIN_CHUNK): two threads
+SIZES = (1, 31, 32, 33, 1000, 70_001, 140_003, 560_003)
+
+
+def _cut_positions(n: int, offset: int) -> set[int]:
+    """Positions in a tensor of ``n`` elements starting at ``offset`` (in the tensors laid
+    end to end) beside the two threads' cut, the middle of all elements."""
+    cut = sum(SIZES) // 2 - offset
+    return {p for p in (cut - 1, cut, cut + 1) if 0 <= p < n}
 
 
 def _tensors(dtype, seed=0):
@@ -31,9 +39,11 @@ def test_verdict_is_torchs_for_every_position(dtype, threads) -> None:
     edge = torch.tensor([torch.finfo(dtype).max, -torch.finfo(dtype).max,
                          torch.finfo(dtype).tiny / 4, -0.0], dtype=dtype)
     assert native.any_nonfinite([edge], threads=threads) is False
+    offsets = [sum(SIZES[:i]) for i in range(len(SIZES))]
     for value in (float("inf"), float("-inf"), float("nan"), -float("nan")):
-        for t in tensors:
-            for position in {0, t.numel() // 2, t.numel() - 1, min(t.numel() - 1, 65_600)}:
+        for t, offset in zip(tensors, offsets):
+            for position in {0, t.numel() // 2, t.numel() - 1, min(t.numel() - 1, 65_600),
+                             *_cut_positions(t.numel(), offset)}:
                 original = t[position].clone()
                 t[position] = value
                 want = not bool(torch.isfinite(t).all())

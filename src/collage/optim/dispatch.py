@@ -49,21 +49,12 @@ PATHS = ("reference", "per_tensor", "foreach", "native", "compiled", "triton")
 
 def choose(group: GroupStep, device: torch.device) -> str:
     """The path of ``group`` whose tensors are on ``device`` (see the module table)."""
-    if group.hyper.get("capturable", False):
-        reason = triton_path.unavailable(group, device)
-        if reason is not None:
-            raise RuntimeError(f"capturable=True runs the Triton kernels only: {reason}")
+    if _takes_triton(group, device, warn=True):
         return "triton"
     if group.reference:
         return "reference"
     if group.foreach is not None and not group.fused:
         return "foreach" if group.foreach else "per_tensor"
-    if group.fused == "triton" or (group.fused is not False and device.type == "cuda"):
-        reason = triton_path.unavailable(group, device)
-        if reason is None:
-            return "triton"
-        if group.fused == "triton":
-            group.warn(f"fused='triton': {reason}; running what fused=True runs")
     if group.fused is not False and device.type == "cpu" and _native_covers(group):
         return "native"
     if group.fused or (group.fused is None and device.type == "cuda"):
@@ -84,7 +75,31 @@ def verdict_on_device(group: GroupStep) -> bool:
         return True
     if group.grad_scale is not None or group.stats is not None:
         return False
-    return choose(group, local(group.items[0].param).device) == "triton"
+    # choose()'s first question only: the rest of it (the native kernels' coverage, a
+    # check of every tensor) cannot make the answer "triton" and cost a small model's step
+    # about 100 us per call (#31)
+    return _takes_triton(group, local(group.items[0].param).device, warn=False)
+
+
+def _takes_triton(group: GroupStep, device: torch.device, warn: bool) -> bool:
+    """Whether :func:`choose` picks the Triton kernels (its first rows of the module
+    table): ``capturable=True`` (a RuntimeError where they cannot run), or ``fused=
+    "triton"``, or ``fused`` not False on CUDA, where they cover the group. ``warn``: tell
+    the group why ``fused="triton"`` runs something else."""
+    if group.hyper.get("capturable", False):
+        reason = triton_path.unavailable(group, device)
+        if reason is not None:
+            raise RuntimeError(f"capturable=True runs the Triton kernels only: {reason}")
+        return True
+    if group.reference or (group.foreach is not None and not group.fused):
+        return False
+    if group.fused == "triton" or (group.fused is not False and device.type == "cuda"):
+        reason = triton_path.unavailable(group, device)
+        if reason is None:
+            return True
+        if warn and group.fused == "triton":
+            group.warn(f"fused='triton': {reason}; running what fused=True runs")
+    return False
 
 
 def _native_covers(group: GroupStep) -> bool:

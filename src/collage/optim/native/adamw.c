@@ -44,7 +44,7 @@ int collage_adamw_threads(int strategy, int flags, int64_t count, const int64_t 
     int64_t total = 0;
     for (int64_t t = 0; t < count; t++) total += table[t * T_COLS + T_N];
 #ifdef _OPENMP
-    int64_t parts = thread_parts(total, threads);
+    int64_t parts = thread_parts(total, threads, MIN_CHUNK);
     if (parts > 1) {
 #pragma omp parallel for num_threads((int)parts) schedule(static, 1)
         for (int64_t p = 0; p < parts; p++)

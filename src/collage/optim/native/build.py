@@ -67,7 +67,7 @@ UNITS = tuple(_HERE / name for name in ("adamw.c", "measured.c", "support.c"))
 #: hashes them all
 SOURCES = UNITS + tuple(_HERE / name for name in ("native.h", "rounding.h", "step.h",
                                                   "step_avx512.h"))
-ABI = 5
+ABI = 6
 # in order of preference: OpenMP (torch's own runtime once loaded), without, portable
 _FLAGS = (("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"),
           ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"),
@@ -241,6 +241,9 @@ def _open(path: Path) -> ctypes.CDLL:
                                              ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                              ctypes.c_int]
     lib.collage_stochastic_round.restype = ctypes.c_int
+    lib.collage_residual_pairs.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_int]
+    lib.collage_residual_pairs.restype = ctypes.c_int
     lib.collage_stochastic_keys.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                             ctypes.c_int64]
     lib.collage_stochastic_keys.restype = None

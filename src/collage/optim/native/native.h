@@ -45,7 +45,7 @@
 #define COLLAGE_AVX512 0
 #endif
 
-#define COLLAGE_ABI 5
+#define COLLAGE_ABI 6
 
 /* strategies, in collage.optim.native.STRATEGY_CODES order */
 enum { S_FP32, S_MIXED, S_BF16, S_KAHAN, S_STOCHASTIC, S_LIGHT, S_PLUS, S_SPLIT };
@@ -94,12 +94,18 @@ enum {
 /* elements per thread at least (below it a parallel region costs more than it saves) */
 #define MIN_CHUNK 65536
 
+/* The non-finite check's elements per thread: the same work per thread as the step's
+ * MIN_CHUNK (the check reads 2 or 4 bytes per element and compares, about a quarter of a
+ * step's time per element: 0.13 against 0.5 ns on one Xeon core), so that a small model's
+ * check is not an OpenMP region of 30 us of reading that waits for a second thread (#31). */
+#define CHECK_MIN_CHUNK (4 * MIN_CHUNK)
+
 #ifdef _OPENMP
 /* How many threads share ``total`` elements: at most ``threads``, each with at least
- * MIN_CHUNK elements, at least one. */
-static inline int64_t thread_parts(int64_t total, int threads) {
+ * ``chunk`` elements, at least one. */
+static inline int64_t thread_parts(int64_t total, int threads, int64_t chunk) {
     int64_t parts = threads < 1 ? 1 : threads;
-    int64_t most = total / MIN_CHUNK > 0 ? total / MIN_CHUNK : 1;
+    int64_t most = total / chunk > 0 ? total / chunk : 1;
     return parts < most ? parts : most;
 }
 #endif
@@ -132,5 +138,7 @@ void collage_stochastic_keys(int64_t count, int64_t *table, const uint64_t *stat
                              int64_t step);
 int collage_stochastic_round(const float *x, int64_t n, int64_t first, int64_t key0,
                              int64_t key1, uint16_t *out, int pairs);
+int collage_residual_pairs(const float *x, int64_t n, uint16_t *hi, uint16_t *lo,
+                           int pairs);
 
 #endif /* COLLAGE_NATIVE_H */

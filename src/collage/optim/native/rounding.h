@@ -26,14 +26,25 @@ static inline uint16_t bf_round(float x) {
 }
 
 /* A pair (hi, lo) in canonical form (strategies.strategy.normalize_pair): hi the nearest
- * (ties to even) of hi + lo, lo the exact rest; lo = +0 where hi is not finite. hi + lo is
- * exact in float32 for the pairs the kernels make, and so is the rest. */
+ * (ties to even) of the float32 sum hi + lo, lo the exact rest; lo = +0 where hi is not
+ * finite. hi + lo is exact in float32 for the residual landing's pairs (then so is the
+ * rest), not for every Kahan pair (docs/strategies.md, at kahan). */
 static inline void bf_normalize(uint16_t *hi, uint16_t *lo) {
     float total = bf_load(*hi) + bf_load(*lo);
     uint16_t nearest = bf_round(total);
     float nf = bf_load(nearest);
     *lo = finite_bits(u_of(nf)) ? bf_round(total - nf) : 0;
     *hi = nearest;
+}
+
+/* The residual landing of light, plus and of plus's and split's second moment: the
+ * canonical pair of x, hi = RN(x) and lo = RN(x - hi) (x - hi is exact: Sterbenz), +0
+ * where hi is not finite, then normalised (the reference of v_residual_pair). */
+static inline void bf_residual_pair(float x, uint16_t *hi, uint16_t *lo) {
+    *hi = bf_round(x);
+    float hf = bf_load(*hi);
+    *lo = finite_bits(u_of(hf)) ? bf_round(x - hf) : 0;
+    bf_normalize(hi, lo);
 }
 
 /* lowbias32 (C. Wellons): fused._mix32 on uint32 (wrapping multiplies, logical shifts) */
@@ -96,6 +107,13 @@ typedef struct {
     __mmask16 small, decays; /* all lanes or none: lerp weight < 0.5; decay != 1 */
 } vcoeffs;
 
+/* vcoeffs.interleave: word j of the result is word (j & 1) * 16 + j / 2 of
+ * [even 16 | odd 16] */
+static inline __m512i v_interleave(void) {
+    return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                            23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+}
+
 /* Loads and stores of 16 lanes; ``k`` selects the lanes of a tail. A constant full mask
  * (the main loop) compiles to plain unmasked moves. */
 #define FULL(k) ((k) == (__mmask16)0xFFFF)
@@ -133,6 +151,15 @@ static inline __m512i v_round32(__m512 x) {
 }
 
 static inline __m256i v_narrow(__m512i r) { return _mm512_cvtepi32_epi16(r); }
+
+/* 1 where v_round's fast form (exact = 0) is vcvtneps2bf16, which flags its NaN and
+ * subnormal lanes in ``bad`` (the caller then redoes the block with exact = 1); 0 where
+ * every rounding is the exact integer one and nothing is ever redone. */
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+#define COLLAGE_FAST_ROUNDING 1
+#else
+#define COLLAGE_FAST_ROUNDING 0
+#endif
 
 /* x rounded to bf16 (16 bits per lane), as bf_round. Without ``exact``, where the target
  * has AVX512-BF16: vcvtneps2bf16, one instruction, which rounds to nearest even but treats
@@ -185,6 +212,33 @@ static inline __attribute__((always_inline)) void v_normalize(__m256i *hi, __m25
     __m256i nearest = v_round(total, exact, bad);
     *lo = v_residual(total, v_widen(nearest), exact, bad);
     *hi = nearest;
+}
+
+/* The lanes of (hi, lo) where bf_normalize may change a pair made by the residual
+ * landing (hi = RN(x), lo = RN(x - hi)) in a block whose fast roundings flagged nothing: hi
+ * odd and lo a nonzero power of two (lo = +-half the gap beside an odd hi: a tie that
+ * rounds to hi's even neighbour), or hi = -0 (x = -0: hi + lo = +0). Everywhere else the
+ * pair is already canonical: the proof is in docs/strategies.md, "Canonical by
+ * construction". Three tests on 16-bit words instead of a sum, two roundings and a
+ * difference (#31). */
+static inline __mmask16 v_maybe_not_canonical(__m256i hi, __m256i lo) {
+    __mmask16 odd = _mm256_test_epi16_mask(hi, _mm256_set1_epi16(1));
+    __mmask16 tie = _mm256_mask_testn_epi16_mask(odd, lo, _mm256_set1_epi16(0x7F));
+    tie = _mm256_mask_test_epi16_mask(tie, lo, _mm256_set1_epi16(0x7FFF));
+    return tie | _mm256_cmpeq_epi16_mask(hi, _mm256_set1_epi16((short)0x8000));
+}
+
+/* The canonical pair of x by the residual landing: hi = RN(x), lo = RN(x - hi) (+0 where
+ * hi is not finite), normalised where v_maybe_not_canonical says it may not be canonical
+ * already (always with ``exact``, and where no fast rounding flags what the proof excludes):
+ * bit for bit v_round, v_residual and v_normalize. */
+static inline __attribute__((always_inline)) void v_residual_pair(__m512 x, const int exact,
+                                                                  __mmask16 *bad,
+                                                                  __m256i *hi, __m256i *lo) {
+    *hi = v_round(x, exact, bad);
+    *lo = v_residual(x, v_widen(*hi), exact, bad);
+    if (exact || !COLLAGE_FAST_ROUNDING || v_maybe_not_canonical(*hi, *lo))
+        v_normalize(hi, lo, exact, bad);
 }
 
 /* the lane numbers 0 .. 15, and the element offsets of a block of 32 split into its even
@@ -462,6 +516,25 @@ static inline __attribute__((always_inline)) void v_normalize2(const vcoeffs *c,
     vpair total = {_mm512_add_ps(h.e, l.e), _mm512_add_ps(h.o, l.o)};
     *hi = v_round2_high(c, total, exact, bad);
     *lo = v_residual2(c, total, v_split(*hi), exact, bad);
+}
+
+/* v_maybe_not_canonical of 32 packed pairs */
+static inline __mmask32 v_maybe_not_canonical2(__m512i hi, __m512i lo) {
+    __mmask32 odd = _mm512_test_epi16_mask(hi, _mm512_set1_epi16(1));
+    __mmask32 tie = _mm512_mask_testn_epi16_mask(odd, lo, _mm512_set1_epi16(0x7F));
+    tie = _mm512_mask_test_epi16_mask(tie, lo, _mm512_set1_epi16(0x7FFF));
+    return tie | _mm512_cmpeq_epi16_mask(hi, _mm512_set1_epi16((short)0x8000));
+}
+
+/* v_residual_pair of 32 elements, packed in element order */
+static inline __attribute__((always_inline)) void v_residual_pair2(const vcoeffs *c, vpair x,
+                                                                   const int exact,
+                                                                   __mmask16 *bad,
+                                                                   __m512i *hi, __m512i *lo) {
+    *hi = v_round2_high(c, x, exact, bad);
+    *lo = v_residual2(c, x, v_split(*hi), exact, bad);
+    if (exact || !COLLAGE_FAST_ROUNDING || v_maybe_not_canonical2(*hi, *lo))
+        v_normalize2(c, hi, lo, exact, bad);
 }
 
 /* v_stochastic32 of 32 elements (even and odd, with ``he``, ``ho`` of v_hash2, whose top

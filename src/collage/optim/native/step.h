@@ -197,11 +197,8 @@ static inline __attribute__((always_inline)) void scalar_element(
         r0 = v0 = bf_load(wb[i]);
         x0 = bf_load(xb[i]);
         W = r0 + x0;
-        float nw = (decay ? W * h[H_DECAY] : W) + u;
-        uint16_t hi = bf_round(nw);
-        float hf = bf_load(hi);
-        uint16_t lo = finite_bits(u_of(hf)) ? bf_round(nw - hf) : 0;
-        bf_normalize(&hi, &lo);
+        uint16_t hi, lo;
+        bf_residual_pair((decay ? W * h[H_DECAY] : W) + u, &hi, &lo);
         wb[i] = hi;
         xb[i] = lo;
         r1 = v1 = bf_load(hi);
@@ -222,11 +219,9 @@ static inline __attribute__((always_inline)) void scalar_element(
         ((float *)row[T_V])[i] = v;
     } else {
         ((uint16_t *)row[T_M])[i] = bf_round(m);
-        uint16_t vh = bf_round(v);
+        uint16_t vh = bf_round(v), vl;
         if (S == S_PLUS || S == S_SPLIT) {
-            float vf = bf_load(vh);
-            uint16_t vl = finite_bits(u_of(vf)) ? bf_round(v - vf) : 0;
-            bf_normalize(&vh, &vl);
+            bf_residual_pair(v, &vh, &vl);
             ((uint16_t *)row[T_VLO])[i] = vl;
         }
         ((uint16_t *)row[T_V])[i] = vh;

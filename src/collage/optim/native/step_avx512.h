@@ -59,9 +59,7 @@ static inline __attribute__((always_inline)) __mmask16 vector_land(
     case S_LIGHT:
     case S_PLUS: { /* W: hi + lo */
         __m512 nw = _mm512_add_ps(_mm512_mask_mul_ps(W, c->decays, W, c->decay), u);
-        o->w = v_round(nw, exact, &bad);
-        o->x = v_residual(nw, v_widen(o->w), exact, &bad);
-        v_normalize(&o->w, &o->x, exact, &bad);
+        v_residual_pair(nw, exact, &bad, &o->w, &o->x);
         break;
     }
     case S_SPLIT: { /* W: the decoded float32 master */
@@ -78,11 +76,8 @@ static inline __attribute__((always_inline)) __mmask16 vector_land(
         o->v32 = v;
     } else {
         o->m = v_round(m, exact, &bad);
-        o->v = v_round(v, exact, &bad);
-        if (S == S_PLUS || S == S_SPLIT) {
-            o->vlo = v_residual(v, v_widen(o->v), exact, &bad);
-            v_normalize(&o->v, &o->vlo, exact, &bad);
-        }
+        if (S == S_PLUS || S == S_SPLIT) v_residual_pair(v, exact, &bad, &o->v, &o->vlo);
+        else o->v = v_round(v, exact, &bad);
     }
     return bad;
 }
@@ -318,9 +313,7 @@ static inline __attribute__((always_inline)) __mmask16 pair_land(
     case S_LIGHT:
     case S_PLUS: {
         vpair nw = {v_decayed(c, W.e, u.e), v_decayed(c, W.o, u.o)};
-        o->w = v_round2_high(c, nw, exact, &bad);
-        o->x = v_residual2(c, nw, v_split(o->w), exact, &bad);
-        v_normalize2(c, &o->w, &o->x, exact, &bad);
+        v_residual_pair2(c, nw, exact, &bad, &o->w, &o->x);
         break;
     }
     case S_SPLIT: { /* split_encode of each half */
@@ -336,9 +329,7 @@ static inline __attribute__((always_inline)) __mmask16 pair_land(
     }
     o->m = v_round2(c, m, exact, &bad);
     if (S == S_PLUS || S == S_SPLIT) {
-        o->v = v_round2_high(c, v, exact, &bad);
-        o->vlo = v_residual2(c, v, v_split(o->v), exact, &bad);
-        v_normalize2(c, &o->v, &o->vlo, exact, &bad);
+        v_residual_pair2(c, v, exact, &bad, &o->v, &o->vlo);
     } else {
         o->v = v_round2(c, v, exact, &bad);
     }
@@ -454,10 +445,7 @@ static inline __attribute__((always_inline)) void vector_range(
     c.small = small ? (__mmask16)0xFFFF : 0;
     c.decays = (flags & F_DECAY) ? (__mmask16)0xFFFF : 0;
     c.sign = _mm512_set1_epi32((flags & F_MAXIMIZE) ? (int)0x80000000u : 0);
-    /* word j of the result: word (j & 1) * 16 + j / 2 of [even 16 | odd 16] */
-    c.interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                    24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                    16, 0);
+    c.interleave = v_interleave();
     c.beta2 = _mm512_set1_ps(h[H_BETA2]);
     c.omb2 = _mm512_set1_ps(h[H_OMB2]);
     c.bc2s = _mm512_set1_ps(h[H_BC2S]);

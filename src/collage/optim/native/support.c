@@ -47,6 +47,45 @@ int collage_stochastic_round(const float *x, int64_t n, int64_t first, int64_t k
     return 0;
 }
 
+/* hi[j], lo[j]: the canonical pair of x[j] by the residual landing (light and plus's
+ * weight, plus's and split's second moment), as the kernels make it: with ``pairs``,
+ * v_residual_pair2 on whole blocks of 32 (the 32-wide path); v_residual_pair on whole
+ * vectors of 16; each block redone exactly where its fast roundings flag a lane, as the
+ * kernels redo theirs; bf_residual_pair on the tail (and everywhere in the portable build).
+ * For tests. */
+int collage_residual_pairs(const float *x, int64_t n, uint16_t *hi, uint16_t *lo,
+                           int pairs) {
+    int64_t j = 0;
+#if COLLAGE_AVX512
+    vcoeffs c;
+    c.interleave = v_interleave();
+    const __m512i even = v_even_offsets(), odd = v_odd_offsets();
+    for (; pairs && j + 32 <= n; j += 32) {
+        __m512 a = _mm512_loadu_ps(x + j), b = _mm512_loadu_ps(x + j + 16);
+        vpair v = {_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b)};
+        __m512i h, l;
+        __mmask16 bad = 0;
+        v_residual_pair2(&c, v, 0, &bad, &h, &l);
+        if (bad) v_residual_pair2(&c, v, 1, &bad, &h, &l);
+        _mm512_storeu_si512(hi + j, h);
+        _mm512_storeu_si512(lo + j, l);
+    }
+    for (; j + 16 <= n; j += 16) {
+        __m512 v = _mm512_loadu_ps(x + j);
+        __m256i h, l;
+        __mmask16 bad = 0;
+        v_residual_pair(v, 0, &bad, &h, &l);
+        if (bad) v_residual_pair(v, 1, &bad, &h, &l);
+        _mm256_storeu_si256((__m256i *)(hi + j), h);
+        _mm256_storeu_si256((__m256i *)(lo + j), l);
+    }
+#else
+    (void)pairs; /* the portable build lands every element on the scalar path */
+#endif
+    for (; j < n; j++) bf_residual_pair(x[j], hi + j, lo + j);
+    return 0;
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* step counters (collage.optim.native_plan)                                              */
 /* ------------------------------------------------------------------------------------ */
@@ -131,7 +170,7 @@ int collage_nonfinite(int wide, int64_t count, const int64_t *table, int threads
     int64_t total = 0;
     for (int64_t t = 0; t < count; t++) total += table[2 * t + 1];
 #ifdef _OPENMP
-    int64_t parts = thread_parts(total, threads);
+    int64_t parts = thread_parts(total, threads, CHECK_MIN_CHUNK);
     int bad = 0;
     if (parts > 1) {
 #pragma omp parallel for num_threads((int)parts) schedule(static, 1) reduction(| : bad)

@@ -101,10 +101,13 @@ def normalize_pair(hi: torch.Tensor, lo: torch.Tensor
     flip at the next step even if it adds zero, moving the visible weight while the value
     stays. Canonical pairs do not: a zero update leaves them alone, bit for bit.
 
-    ``hi + lo`` is exact in float32 (two 8- or 11-bit values within 16 binades of each other,
-    or ``lo`` so small that the sum rounds to ``hi`` either way), and so is the rest, which
-    fits the component dtype (the error of a rounding to nearest does). Non-finite ``hi``
-    keeps ``lo = +0`` (``collage.mcf``'s rule)."""
+    ``hi + lo`` is exact in float32 for the residual landing's pairs (``light``, ``plus``, a
+    pair-kept moment: proof in docs/strategies.md), and then so is the rest, which fits the
+    component dtype (the error of a rounding to nearest does). Not for every Kahan pair: a
+    compensation more than 16 binades below the weight can hold bits below float32's last
+    place of ``hi + lo``, which the float32 sum drops (less than 2**-24 of the weight; the
+    fast paths compute in float32 anyway). Non-finite ``hi`` keeps ``lo = +0``
+    (``collage.mcf``'s rule)."""
     total = hi.float() + lo.float()
     nearest = total.to(hi.dtype)
     return nearest, residual(total - nearest.float(), nearest).to(lo.dtype)
