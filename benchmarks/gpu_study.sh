@@ -67,8 +67,9 @@ stage() {  # name, limit (s), command
 }
 stage study "$study_timeout" "$compare"
 stage report "$report_timeout" "$compare --report-only"  # only if the study stage failed
+# written outside OUT, then moved in: tar fails on a folder that changes as it reads it
 stage pack "$pack_timeout" \
-    "tar -czf $out/gpu_study.tar.gz -C $out --exclude gpu_study.tar.gz ."
+    "tmp=\$(mktemp) && tar -czf \$tmp -C $out --exclude ./gpu_study.tar.gz . && mv \$tmp $out/gpu_study.tar.gz"
 
 if [ "$dry_run" -eq 1 ]; then
     $python -m collage compare --preset gpu-study --dry-run
