@@ -26,6 +26,7 @@ from .models import build_model, is_causal
 from .outputs import write_json
 from .runner import train_strategy
 from .runs import plan_runs
+from .sizing import format_plan, plan_of
 
 __all__ = ["register", "parse_count"]
 
@@ -44,6 +45,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_flags(p, "compare")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (runs, parameters, tokens per run; for a preset with "
+                   "a time budget, such as gpu-study, the estimated seconds per run and in "
+                   "all) and train nothing: no corpus is read, no GPU is needed")
     p.set_defaults(func=cmd_compare)
 
     p = subparsers.add_parser(
@@ -107,9 +112,14 @@ def _print(message: str) -> None:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     config = config_from_args(args, "compare")
+    if args.dry_run:
+        print(format_plan(plan_of(config)))
+        return 0
     if not config.run.report_only:
-        # Fail fast, in the parent, on data that cannot work (one line instead of a child's
-        # error); this also fills the BPE cache before the children read it.
+        # Fail fast, in the parent, on a device that is not there and on data that cannot
+        # work (one line instead of a child's error, before minutes of tokenizing); this
+        # also fills the BPE cache before the children read it.
+        resolve_device(config.run.device)
         make_batches(load_corpus(config.data), config.data, context=config.model.context,
                      causal=is_causal(config.model.family), seed=config.run.seed)
     out = _out_dir(config, "compare")

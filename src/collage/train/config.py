@@ -497,8 +497,30 @@ def study() -> Config:
     )
 
 
+#: What ``gpu-study`` compares: pure bf16 against fp32 master weights and Collage's two.
+GPU_STUDY_STRATEGIES = ("bf16", "mixed", "light", "plus")
+
+
+def gpu_study() -> Config:
+    """The paper's setting at the paper's scale, on one GPU in under 6 minutes
+    (``benchmarks/gpu_study.sh``): a 112M-parameter GPT-2-style model (GPT-2 small's width
+    and heads, 14 layers) on the standard library's source (BPE, 8,192 tokens), beta2 = 0.999,
+    ``bf16``, ``mixed``, ``light`` and ``plus`` from one seed, one after another on the GPU.
+    Its size and length come from ``collage.train.sizing.GPU_STUDY_BUDGET``'s arithmetic;
+    ``collage compare --preset gpu-study --dry-run`` prints it."""
+    return Config(
+        model=ModelConfig(family="gpt", d_model=768, n_layers=14, n_heads=12, context=512),
+        data=DataConfig(path=STDLIB, tokenizer="bpe", vocab_size=8192, batch_size=16),
+        optim=OptimConfig(lr=6e-4, beta2=0.999, weight_decay=0.1, warmup_steps=100,
+                          min_lr_ratio=0.1, grad_clip=1.0),
+        run=RunConfig(steps=1000, eval_every=250, eval_batches=8, track_every=50,
+                      device="cuda", strategies=GPU_STUDY_STRATEGIES, resume=True),
+        preset="gpu-study",
+    )
+
+
 PRESETS = {"quick": quick, "paper-small": paper_small, "bert-small": bert_small,
-           "micro": micro, "study": study}
+           "micro": micro, "study": study, "gpu-study": gpu_study}
 
 
 def get_preset(name: str) -> Config:
