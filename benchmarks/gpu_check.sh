@@ -22,28 +22,8 @@ usage() {
     echo "  OUT: folder for the results (created); --dry-run: print the commands only" >&2
 }
 
-dry_run=0
-out=""
-while [ $# -gt 0 ]; do
-    case "$1" in
-        --dry-run) dry_run=1 ;;
-        -h|--help) usage; exit 0 ;;
-        -*) echo "$0: unknown option $1" >&2; usage; exit 2 ;;
-        *)
-            if [ -n "$out" ]; then echo "$0: one OUT folder, got '$out' and '$1'" >&2; exit 2; fi
-            out="$1" ;;
-    esac
-    shift
-done
-if [ -z "$out" ]; then
-    echo "$0: OUT is required" >&2
-    usage
-    exit 2
-fi
-
-out=$(realpath -m "$out")  # absolute: the stages run from the repository's root
-cd "$(dirname "$0")/.."
-python=${PYTHON:-python3}
+# [--dry-run] OUT; sets dry_run, out (absolute), python; cd to the repository
+source "$(dirname "$0")/gpu_args.sh"
 # per-stage limits (seconds): 450 s in all, 30 s of the 8 minutes left for slack
 install_timeout=${INSTALL_TIMEOUT:-45}
 tests_timeout=${TESTS_TIMEOUT:-125}

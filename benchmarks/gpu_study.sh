@@ -30,28 +30,8 @@ usage() {
     echo "  OUT: folder for the report (created); --dry-run: print the plan only" >&2
 }
 
-dry_run=0
-out=""
-while [ $# -gt 0 ]; do
-    case "$1" in
-        --dry-run) dry_run=1 ;;
-        -h|--help) usage; exit 0 ;;
-        -*) echo "$0: unknown option $1" >&2; usage; exit 2 ;;
-        *)
-            if [ -n "$out" ]; then echo "$0: one OUT folder, got '$out' and '$1'" >&2; exit 2; fi
-            out="$1" ;;
-    esac
-    shift
-done
-if [ -z "$out" ]; then
-    echo "$0: OUT is required" >&2
-    usage
-    exit 2
-fi
-
-out=$(realpath -m "$out")  # absolute: the stages run from the repository's root
-cd "$(dirname "$0")/.."
-python=${PYTHON:-python3}
+# [--dry-run] OUT; sets dry_run, out (absolute), python; cd to the repository
+source "$(dirname "$0")/gpu_args.sh"
 # the checkout's own code, with no install step (the GPU machine has torch, tokenizers,
 # matplotlib and tqdm); the comparison's children inherit it
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
