@@ -13,16 +13,19 @@ only what can change between steps:
 * the weight and every state tensor still have the table's addresses, the weight and the
   gradient are contiguous, the gradient is on the plan's device (and on 16 bytes where the
   launch was told so);
-* no step counter was written since the plan advanced it (its version counter, which every
-  in-place write bumps: a counter set by hand sends the step to the general path).
+* each state's step counter is the plan's object, and none was written since the plan
+  advanced it (its version counter, which every in-place write bumps: a counter set by hand
+  or replaced sends the step to the general path).
 
-The gradients' addresses are then read, the counters advanced by one ``_foreach_add_`` and
-the launches run with the coefficients of the plan's next step: the general path's launches,
-so the results are bit for bit the same (``tests/optim/test_triton.py``). Plans are made for
-unmeasured steps of plain tensors whose counters are float32 scalars: on the host, all at
-one step value below 2**24; or, ``on_device`` (capturable, or the non-finite verdict left on
-the device: the default), on the parameters' device, advanced there by ``1 - verdict`` and
-the coefficients computed there (``path._step_on_device``'s launches).
+The gradients' addresses are then read, the counters advanced and the launches run with
+the coefficients of the plan's next step: the general path's launches, so the results are
+bit for bit the same (``tests/optim/test_triton.py``). Plans are made for unmeasured steps
+of plain tensors whose counters are float32 scalars: on the host, all at one step value
+below 2**24, advanced by one ``_foreach_add_``; or, ``on_device`` (capturable, or the
+non-finite verdict left on the device: the default), on the parameters' device as the
+elements of one vector (``path.gather_counters``), advanced there by ``1 - verdict`` with
+one operation and the coefficients computed there once (``path._step_on_device``'s
+launches): the same device work for 3 tensors as for 300.
 """
 
 from __future__ import annotations
