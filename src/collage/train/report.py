@@ -94,8 +94,9 @@ def _legend(config: Config, records: list[dict[str, Any]]) -> list[str]:
     """What each column of the results means."""
     return [
         "",
-        "*val loss*: mean token cross-entropy (nats per byte) on the fixed validation batches "
-        "after the last step; *vs fp32*: relative difference to the fp32 run with the same β2. "
+        "*val loss*: mean cross-entropy per token (nats; a token is a byte with the byte "
+        "tokenizer) on the fixed validation batches after the last step; *vs fp32*: "
+        "relative difference to the fp32 run with the same β2. "
         "*EDQ* (effective descent quality, `<e, d> / ||d||²`) and *imprecision* (share of "
         "weights whose intended non-zero update was lost) are averaged over the measured "
         f"steps (every {config.run.track_every}); they concern the represented weight (hi + "
