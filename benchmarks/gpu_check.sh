@@ -22,8 +22,8 @@ usage() {
     echo "  OUT: folder for the results (created); --dry-run: print the commands only" >&2
 }
 
-# [--dry-run] OUT; sets dry_run, out (absolute), python; cd to the repository
-source "$(dirname "$0")/gpu_args.sh"
+# [--dry-run] OUT; sets dry_run, out (absolute), python; cd to the repository; run_stage
+source "$(dirname "$0")/gpu_common.sh"
 # per-stage limits (seconds): 450 s in all, 30 s of the 8 minutes left for slack
 install_timeout=${INSTALL_TIMEOUT:-45}
 tests_timeout=${TESTS_TIMEOUT:-125}
@@ -72,13 +72,8 @@ log="$out/gpu_check.log"
 export PYTHONUNBUFFERED=1
 status=0
 for i in "${!names[@]}"; do
-    started=$(date +%s)
-    echo "[${names[$i]}] ${commands[$i]}" | tee -a "$log"
-    set +e
-    timeout --kill-after=10 "${limits[$i]}" bash -c "${commands[$i]}" >> "$log" 2>&1
-    code=$?
-    set -e
-    echo "[${names[$i]}] exit $code after $(( $(date +%s) - started ))s" | tee -a "$log"
+    code=0
+    run_stage "${names[$i]}" "${limits[$i]}" 10 "${commands[$i]}" "$log" || code=$?
     if [ "$code" -ne 0 ]; then status=1; fi
     if [ "${names[$i]}" = install ] && [ "$code" -ne 0 ]; then exit 1; fi
 done

@@ -30,8 +30,8 @@ usage() {
     echo "  OUT: folder for the report (created); --dry-run: print the plan only" >&2
 }
 
-# [--dry-run] OUT; sets dry_run, out (absolute), python; cd to the repository
-source "$(dirname "$0")/gpu_args.sh"
+# [--dry-run] OUT; sets dry_run, out (absolute), python; cd to the repository; run_stage
+source "$(dirname "$0")/gpu_common.sh"
 # the checkout's own code, with no install step (the GPU machine has torch, tokenizers,
 # matplotlib and tqdm); the comparison's children inherit it
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -73,13 +73,8 @@ for i in "${!names[@]}"; do
     if [ "${names[$i]}" = report ] && [ "$status" -eq 0 ]; then
         continue  # the comparison wrote its report itself
     fi
-    started=$(date +%s)
-    echo "[${names[$i]}] ${commands[$i]}" | tee -a "$log"
-    set +e
-    timeout --kill-after=5 "${limits[$i]}" bash -c "${commands[$i]}" >> "$log" 2>&1
-    code=$?
-    set -e
-    echo "[${names[$i]}] exit $code after $(( $(date +%s) - started ))s" | tee -a "$log"
+    code=0
+    run_stage "${names[$i]}" "${limits[$i]}" 5 "${commands[$i]}" "$log" || code=$?
     if [ "$code" -ne 0 ]; then status=1; fi
 done
 exit "$status"

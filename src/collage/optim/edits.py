@@ -33,7 +33,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .group import Item, local
+from .group import PLAIN_TENSORS, Item, local
 from .strategies import Strategy
 
 __all__ = ["WriteLog", "hides_weight", "rederive"]
@@ -56,15 +56,10 @@ def hides_weight(strategy: Strategy) -> bool:
     return known
 
 
-#: classes whose version counter and pointer are the weight's own (a DTensor's:
-#: ``_sharded_mark``)
-_PLAIN = frozenset({torch.nn.Parameter, torch.Tensor})
-
-
 def _mark(param: torch.Tensor) -> Mark:
     """What a write changes: the version counter (every in-place torch op bumps it) and the
     data pointer (``p.data = t`` keeps the counter)."""
-    if param.__class__ in _PLAIN:
+    if param.__class__ in PLAIN_TENSORS:  # version and pointer are the weight's own
         return param._version, param.data_ptr()
     return _sharded_mark(param)
 
@@ -132,7 +127,7 @@ class WriteLog:
         against its table, made when they were recorded): only the counters are read."""
         if not hides_weight(strategy):
             return False
-        get, plain, found = self._left.get, _PLAIN, False
+        get, plain, found = self._left.get, PLAIN_TENSORS, False
         for item in items:
             param = item.param
             known = get(id(param))

@@ -21,20 +21,22 @@ from . import draws as keyed
 from .rules import Rule
 from .strategies import Strategy, check_weight
 
-__all__ = ["Item", "make_item", "GroupStep", "Entry", "local", "entries_of", "check_item", "check_gradient",
+__all__ = ["Item", "make_item", "PLAIN_TENSORS", "GroupStep", "Entry", "local", "entries_of", "check_item", "check_gradient",
            "advance_steps",
            "prepare_grad", "component_slice", "draw_key_at"]
 
 
-# plain tensors: no local shard to take (a DTensor is of its own class)
-_PLAIN = frozenset({torch.nn.Parameter, torch.Tensor})
+#: the classes of plain tensors: no local shard to take, never sharded (a DTensor is of
+#: its own class); a membership test of ``tensor.__class__`` is cheaper than ``hasattr``'s
+#: miss in per-tensor loops
+PLAIN_TENSORS = frozenset({torch.nn.Parameter, torch.Tensor})
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2), or the tensor itself. Runs per tensor and
     step: a plain tensor is recognised by its class (``hasattr``'s miss costs ten times
     more)."""
-    if tensor.__class__ in _PLAIN:
+    if tensor.__class__ in PLAIN_TENSORS:
         return tensor
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 

@@ -13,12 +13,10 @@ from typing import NamedTuple
 
 import torch
 
+from .group import PLAIN_TENSORS
 from .native import any_nonfinite
 
 __all__ = ["FiniteProof", "nonfinite_flag", "all_ranks_max", "shard_group"]
-
-# plain tensors are never sharded (a DTensor parameter is of its own class)
-_PLAIN = frozenset({torch.nn.Parameter, torch.Tensor})
 
 
 class FiniteProof(NamedTuple):
@@ -92,7 +90,7 @@ def shard_group(params):
     that only some ranks step. HSDP's (Replicate, Shard) mesh reduces over the shard dim.
     """
     for param in params:
-        if param.__class__ in _PLAIN:  # the common case, without getattr's miss
+        if param.__class__ in PLAIN_TENSORS:  # the common case, without getattr's miss
             continue
         mesh = getattr(param, "device_mesh", None)
         if mesh is None:

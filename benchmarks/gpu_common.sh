@@ -1,5 +1,5 @@
 # Sourced by the lent-GPU scripts (gpu_check.sh, gpu_study.sh): their common arguments,
-# `[--dry-run] OUT`. The script defines usage() first. Sets dry_run (0 or 1), out (made
+# `[--dry-run] OUT`, and run_stage, which runs one of their stages. The script defines usage() first. Sets dry_run (0 or 1), out (made
 # absolute: the stages run from the repository's root) and python (PYTHON, default
 # python3), and moves to the repository's root.
 dry_run=0
@@ -23,3 +23,17 @@ fi
 out=$(realpath -m "$out")
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
+
+# run_stage NAME LIMIT_S KILL_AFTER_S COMMAND LOG: run COMMAND under a time limit, its
+# output appended to LOG, its start and exit status printed and logged; returns its status
+run_stage() {
+    local started code
+    started=$(date +%s)
+    echo "[$1] $4" | tee -a "$5"
+    set +e
+    timeout --kill-after="$3" "$2" bash -c "$4" >> "$5" 2>&1
+    code=$?
+    set -e
+    echo "[$1] exit $code after $(( $(date +%s) - started ))s" | tee -a "$5"
+    return "$code"
+}
