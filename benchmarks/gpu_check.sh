@@ -7,10 +7,11 @@
 #   4. `collage bench train --device cuda` on a ~125M-parameter GPT (GPT-2 small's width and
 #      heads, 18 layers: the byte-level vocabulary has no 38M-parameter embedding),
 #   5. the model's prediction for the same kernels (benchmarks/gpu_model.py: compiled for the
-#      GPU's architecture, read off the SASS),
+#      GPU's architecture, read off the SASS; the host time of a step measured on this GPU's
+#      host, launches included, beside torch's fused AdamW's),
 #   6. read the goals off the results (benchmarks/gpu_goals.py), the model's prediction
 #      beside each measurement,
-# writing JSON and markdown under OUT (9 files: what a device run brings back).
+# writing JSON and markdown under OUT (10 files: what a device run brings back).
 #
 # Usage: benchmarks/gpu_check.sh [--dry-run] OUT
 #   --dry-run   print the commands, run nothing (no GPU needed)
@@ -28,8 +29,8 @@ source "$(dirname "$0")/gpu_common.sh"
 install_timeout=${INSTALL_TIMEOUT:-45}
 tests_timeout=${TESTS_TIMEOUT:-125}
 optimizer_timeout=${OPTIMIZER_TIMEOUT:-140}
-train_timeout=${TRAIN_TIMEOUT:-100}
-model_timeout=${MODEL_TIMEOUT:-25}
+train_timeout=${TRAIN_TIMEOUT:-85}
+model_timeout=${MODEL_TIMEOUT:-40}
 goals_timeout=15
 
 # the test selection: the CUDA matrix and the interpreter tests, nothing else
@@ -55,7 +56,7 @@ stage bench_optimizer "$optimizer_timeout" \
 stage bench_train "$train_timeout" \
     "$python -m collage bench train --device cuda $gpt --modes autocast,plus,light,mixed --rounds 1 --steps 10 --warmup 3 --json --quiet --markdown $out/bench_train.md > $out/bench_train.json"
 stage model "$model_timeout" \
-    "$python benchmarks/gpu_model.py --arch auto --default-only --rules adamw --json > $out/gpu_model.json"
+    "$python benchmarks/gpu_model.py --arch auto --default-only --rules adamw --host-device cuda --json --markdown $out/gpu_model.md > $out/gpu_model.json"
 stage goals "$goals_timeout" \
     "$python benchmarks/gpu_goals.py $out > $out/goals.md"
 

@@ -345,28 +345,87 @@ def predict(gpu: Gpu, n: float, nbytes: float, instructions: float, overlapped: 
 
 def _check_as_on_a_gpu(grads: list[torch.Tensor]) -> torch.Tensor:
     """``nonfinite.nonfinite_flag``'s GPU form (one multi-tensor max-norm), whatever the
-    device: the CPU's per-tensor form is not what a GPU's host runs."""
+    device: the CPU's per-tensor form is not what a GPU's host runs. (A planned default
+    step does not call it: its plan's check kernels read the gradients.)"""
     extremes = torch.stack(torch._foreach_norm(grads, float("inf")))
     return (~torch.isfinite(extremes).all()).to(torch.float32)
+
+
+#: The host time of one Triton kernel launch (the Python launcher: binding ~30 arguments,
+#: the specialization key, the driver call): an estimate, not measured (no GPU here); the
+#: stubbed launches of :func:`host_seconds` are counted and priced at it.
+#: ``benchmarks/gpu_check.sh`` measures a step's host time on a GPU.
+LAUNCH_HOST_S = 20e-6
+
+
+def _kernel_launches(plan: launches.Launch) -> int:
+    """The kernels ``launch.launch`` or ``launch.check`` runs for ``plan``: its whole
+    blocks and its tails, each where it has any."""
+    return int(plan.whole.shape[0] > 0) + int(plan.tails.shape[0] > 0)
+
+
+def host_seconds_on_gpu(size: str, device: str = "cuda", repeats: int = 30
+                        ) -> dict[str, float]:
+    """:func:`host_seconds` measured on a GPU's host, nothing stubbed: ``plus`` (the default
+    path there: the Triton kernels) over ``size``'s tensors at their real shapes, the
+    thread CPU time of ``step()`` alone (the device synchronised before each step, so that
+    a full launch queue never blocks it), least of ``repeats``; and torch's fused AdamW on
+    float32 weights, the same way (``torch_fused``). Launches included (``*_launches``: 0,
+    nothing to add)."""
+    shapes = [shape for _, shape in gpt_shapes(size)]
+
+    def least(opt: torch.optim.Optimizer) -> float:
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize(device)
+            start = time.thread_time()
+            opt.step()
+            times.append(time.thread_time() - start)
+        torch.cuda.synchronize(device)
+        return min(times[2:])
+
+    def params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
+        made = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
+                for shape in shapes]
+        for p in made:
+            p.grad = torch.full_like(p, 1e-3)
+        return made
+
+    out: dict[str, float] = {}
+    for policy in ("skip", "ignore"):
+        python = least(collage.AdamW(params(torch.bfloat16), lr=1e-4, strategy="plus",
+                                     nonfinite=policy))
+        out.update({policy: python, f"{policy}_python": python, f"{policy}_launches": 0})
+    out["torch_fused"] = least(torch.optim.AdamW(params(torch.float32), lr=1e-4,
+                                                 fused=True))
+    out["measured_on"] = torch.cuda.get_device_name(device)
+    return out
 
 
 def host_seconds(size: str, repeats: int = 40) -> dict[str, float]:
     """Host time of one default step (``nonfinite="skip"``: verdict on the device) and one
     planned ``nonfinite="ignore"`` step of ``plus`` over ``size``'s tensors (shapes kept,
     4 elements each, so that no data work is timed), on this machine's CPU with the Triton
-    launches stubbed and the check in its GPU form: the Python and the small torch
-    operations a GPU's host would run (CPU torch runs the multi-tensor operations tensor by
-    tensor, which a GPU fuses into one launch: an upper bound). The least thread CPU time
-    of ``repeats`` steps: what the step costs this CPU, not the other processes sharing
-    its two cores (wall-clock medians on a busy machine vary by 2x)."""
+    launches stubbed (counted, and priced at :data:`LAUNCH_HOST_S` each) and the per-tensor
+    check in its GPU form: the Python and the small torch operations a GPU's host would run
+    (each a launch there; here a CPU operation on a 0-d or small tensor, of about the same
+    host cost). The least thread CPU time of ``repeats`` steps: what the step costs this
+    CPU, not the other processes sharing its two cores (wall-clock medians on a busy
+    machine vary by 2x). Keys: ``skip`` and ``ignore`` (Python and launches, seconds),
+    ``<policy>_python`` and ``<policy>_launches`` (kernel launches per step)."""
     import os  # noqa: PLC0415 - the interpreter flag, read when the path is chosen
 
     saved_flag = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors take the Triton path (not run)
     params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
               for _ in gpt_shapes(size)]
-    saved = launches.launch, base.nonfinite_flag
-    launches.launch = lambda *args, **kwargs: None
+    saved = launches.launch, launches.check, base.nonfinite_flag
+    counted = [0]
+
+    def count(plan, *args, **kwargs) -> None:
+        counted[0] += _kernel_launches(plan)
+
+    launches.launch = launches.check = count
     base.nonfinite_flag = _check_as_on_a_gpu
     try:
         out = {}
@@ -377,13 +436,16 @@ def host_seconds(size: str, repeats: int = 40) -> dict[str, float]:
             for _ in range(repeats):
                 for p in params:
                     p.grad = torch.ones_like(p)
+                counted[0] = 0
                 start = time.thread_time()
                 opt.step()
                 times.append(time.thread_time() - start)
-            out[policy] = min(times[2:])
+            out[f"{policy}_python"] = min(times[2:])
+            out[f"{policy}_launches"] = counted[0]  # the last (planned) step's
+            out[policy] = out[f"{policy}_python"] + counted[0] * LAUNCH_HOST_S
         return out
     finally:
-        launches.launch, base.nonfinite_flag = saved
+        launches.launch, launches.check, base.nonfinite_flag = saved
         if saved_flag is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
@@ -441,6 +503,7 @@ def model_rows(archs: list[int], revision: str | None, host: dict[str, float] | 
                 round(predict(gpu, n_1b, nbytes, per_element, False, check), 3), host_s,
                 round(predict(gpu, n_100m, nbytes, per_element, looped, check, host_s,
                               host_hidden=True), 3)))
+        rows += check_rows(module, gpu, n_1b, n_100m)
         for name, function_, signature, nbytes in calibration_kernels() if calibration else []:
             sass = read_sass(_compile_plain(function_, signature, arch))
             opcodes = fast_path(sass)
@@ -455,13 +518,54 @@ def model_rows(archs: list[int], revision: str | None, host: dict[str, float] | 
     return rows
 
 
+def check_rows(module: ModuleType, gpu: Gpu, n_1b: int, n_100m: int) -> list[Row]:
+    """The default check's kernel (``kernels.nonfinite_check``, a planned step's: it reads
+    the gradients, bf16 or float32, over the step's tiles), alone; none for kernels from
+    before it (``--revision``)."""
+    function = getattr(module, "nonfinite_check", None)
+    if function is None:
+        return []
+    rows = []
+    elements_per_thread = launches.GPU_BLOCK / (32 * launches.GPU_WARPS)
+    for dtype, label in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        for variant, masked in (("whole", False), ("tail", True)):
+            flags = {"W_KIND": layout.KINDS[dtype],
+                     **launches.launch_flags(masked, True, False)}
+            sass = read_sass(compile_variant(function, flags, gpu.arch))
+            opcodes = fast_path(sass)
+            looped = len(opcodes) < len(sass.instructions)
+            per_element = len(opcodes) / elements_per_thread
+            nbytes = dtype.itemsize
+
+            def fraction(n: int, overlapped: bool = looped) -> float:
+                return round(predict(gpu, n, nbytes, per_element, overlapped), 3)
+
+            rows.append(Row(gpu.arch, "-", f"check of {label} gradients", "default", variant,
+                            sass.registers, sass.local_bytes + sum(
+                                o.startswith(("LDL", "STL")) for o in opcodes),
+                            round(per_element, 2), memory_ops(opcodes), nbytes, looped,
+                            fraction(n_1b), fraction(n_100m), fraction(n_1b, False), 0.0,
+                            fraction(n_100m)))
+    return rows
+
+
 def markdown(rows: list[Row], host: dict[str, float] | None) -> str:
     lines = []
-    if host:
-        lines.append(f"Host time per step (this CPU's least thread time of 38 steps, launches "
-                     "stubbed, 148 tensors): default "
-                     f"{1e3 * host['skip']:.3f} ms, `nonfinite=\"ignore\"` (planned) "
-                     f"{1e3 * host['ignore']:.3f} ms.\n")
+    if host and "measured_on" in host:
+        lines.append(
+            f"Host time per step (148 tensors), measured on the {host['measured_on']}'s host "
+            "(least thread time of `step()`, launches included): default "
+            f"{1e3 * host['skip']:.3f} ms, `nonfinite=\"ignore\"` {1e3 * host['ignore']:.3f} "
+            f"ms; torch's fused AdamW {1e3 * host['torch_fused']:.3f} ms.\n")
+    elif host:
+        lines.append(
+            "Host time per step (148 tensors; this CPU's least thread time of 38 steps, "
+            "launches stubbed and counted, each priced at "
+            f"{1e6 * LAUNCH_HOST_S:.0f} us): default {1e3 * host['skip']:.3f} ms "
+            f"({1e3 * host['skip_python']:.3f} ms Python and torch operations, "
+            f"{host['skip_launches']} kernel launches), `nonfinite=\"ignore\"` (planned) "
+            f"{1e3 * host['ignore']:.3f} ms ({1e3 * host['ignore_python']:.3f} ms, "
+            f"{host['ignore_launches']} launches).\n")
     lines += ["| sm | rule | strategy | config | variant | regs | spills | instr/elem | "
               "memory ops per tile | B/elem | overlap | 1B | 100M | 100M, host hidden "
               "| 1B, no overlap |",
@@ -495,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", default=None, metavar="PATH",
                         help="also write the markdown table to PATH")
     parser.add_argument("--no-host", action="store_true", help="leave the host time out")
+    parser.add_argument("--host-device", default="cpu",
+                        help="where the host time is measured: cpu (launches stubbed, the "
+                             "default) or cuda (this GPU's host, nothing stubbed)")
     parser.add_argument("--default-only", action="store_true",
                         help="only the default configuration's variants")
     parser.add_argument("--rules", default=None, help="comma-separated (default: all)")
@@ -504,7 +611,12 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_model: Triton's NVIDIA backend (nvdisasm, cuobjdump) is not installed",
               file=sys.stderr)
         return 2
-    host = None if args.no_host or args.revision else host_seconds("100m")
+    if args.no_host or args.revision:
+        host = None
+    elif args.host_device == "cpu":
+        host = host_seconds("100m")
+    else:
+        host = host_seconds_on_gpu("100m", args.host_device)
     def names(text: str | None) -> tuple[str, ...] | None:
         return None if text is None else tuple(text.split(","))
 

@@ -49,7 +49,7 @@ def _vectors(rule: str, strategy: str) -> tuple[int, int]:
 
 
 def test_every_aligned_whole_block_moves_every_component_in_16_byte_vectors(default_rows):
-    wholes = [r for r in default_rows if r.variant == "whole"]
+    wholes = [r for r in default_rows if r.variant == "whole" and r.rule != "-"]
     assert len(wholes) == 3 * 8  # AdamW, SGD, Lion x the eight strategies the kernels land
     for row in wholes:
         loads, stores = _vectors(row.rule, row.strategy)
@@ -59,6 +59,21 @@ def test_every_aligned_whole_block_moves_every_component_in_16_byte_vectors(defa
         # nothing narrower moves data: the rest are the table's addresses (64-bit) and
         # 32-bit scalars (the tile's row and block, the verdict, the coefficients)
         assert set(ops) <= {"LDG.E.128", "STG.E.128", "LDG.E.64", "LDG.E"}, ops
+
+
+def test_the_check_kernel_reads_whole_blocks_in_16_byte_vectors_and_writes_no_data(
+        default_rows):
+    """The default check of a planned step (``kernels.nonfinite_check``): a thread's 8
+    gradient elements of a whole block in one 16-byte load (bf16) or two (float32), no
+    store but the verdict's atomic (not a ``STG``), memory-bound on the model."""
+    checks = {(r.strategy, r.variant): r for r in default_rows if r.rule == "-"}
+    assert set(checks) == {(f"check of {d} gradients", v) for d in ("bf16", "fp32")
+                           for v in ("whole", "tail")}
+    for dtype, vectors in (("bf16", 1), ("fp32", 2)):
+        ops = checks[f"check of {dtype} gradients", "whole"].sass_memory_ops
+        assert ops.get("LDG.E.128") == vectors, ops
+        assert set(ops) <= {"LDG.E.128", "LDG.E.64", "LDG.E"}, ops
+    assert all(r.predicted_1b == 1.0 for r in checks.values() if r.variant == "whole")
 
 
 def test_no_variant_spills_or_exceeds_the_launch_s_register_budget(default_rows):

@@ -188,6 +188,99 @@ def test_the_default_check_skips_on_the_device_bit_for_bit(rule, strategy, ieee_
     assert opt.state_dict()["collage"]["skipped_steps"] == 1
 
 
+def _planned_step_with(strategy: str, dtype: torch.dtype, where: int, value: float,
+                       flags: dict) -> tuple[list[torch.Tensor], collage.optim.CollageOptimizer]:
+    """Two tensors (1,000 elements: three whole interpreted blocks and a tail; 37: a tail
+    only); a first step, then a step whose gradient has ``value`` at flat position
+    ``where`` of the two tensors' concatenation; the weights after, and the optimizer."""
+    g = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in (1000, 37)]
+    opt = collage.AdamW(params, strategy=strategy, **flags)
+    for step in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(dtype)
+        if step == 1:
+            first, second = params[0].grad, params[1].grad
+            (first if where < 1000 else second).view(-1)[where % 1000] = value
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the host's skip warns here
+            opt.step()
+    return [p.detach().clone() for p in params], opt
+
+
+@needs_triton
+@pytest.mark.parametrize(("strategy", "dtype"), [("plus", torch.bfloat16),
+                                                 ("fp32", torch.float32)])
+@pytest.mark.parametrize(("where", "value"), [
+    (0, float("inf")),  # the first element of a whole block
+    (300, float("nan")),  # inside a block
+    (999, float("-inf")),  # the last element of a tail
+    (1036, float("nan")),  # the last element of a tensor that is a tail only
+    (500, 3.0e38),  # finite: the largest magnitudes (bf16's max is 3.39e38)
+    (768, -0.0),  # finite: a signed zero, at a block's start
+    (1001, 1e-40),  # finite: a subnormal (float32; bf16 keeps it too)
+])
+def test_the_plans_check_kernel_finds_every_non_finite_element(strategy, dtype, where,
+                                                               value, ieee_sqrt):
+    """Issue #29: a planned step's default check is ``kernels.nonfinite_check`` over the
+    step's own tiles. Every non-finite value, wherever it lies (a whole block's first
+    element, a tail's last), skips the step (weights bitwise unchanged, one skip counted),
+    and no finite value does (the result is the host-checked foreach path's, bit for
+    bit)."""
+    finite = value == value and abs(value) != float("inf")
+    got, opt = _planned_step_with(strategy, dtype, where, value, {"fused": "triton"})
+    want, ref = _planned_step_with(strategy, dtype, where, value, {"foreach": True})
+    assert opt.last_paths == {0: "triton"}
+    assert isinstance(opt._device_skips, torch.Tensor)  # the verdict left on the device
+    for a, b in zip(got, want):
+        assert_bitwise_equal({"w": a}, {"w": b})
+    if finite:
+        assert opt.skipped_steps == 0 == ref.skipped_steps
+    else:
+        with pytest.warns(RuntimeWarning, match="skipped 1 step"):
+            assert opt.skipped_steps == 1 == ref.skipped_steps
+
+
+@needs_triton
+@pytest.mark.parametrize("bad_group", [0, 1])
+def test_a_planned_and_an_unplanned_group_share_one_device_verdict(bad_group, monkeypatch,
+                                                                  ieee_sqrt):
+    """Group 0 stepped by its plan (its gradients checked by the plan's kernel), group 1
+    by the general path (a parameter was appended to it: checked by the multi-tensor
+    max-norm, which writes the verdict before the kernel raises it): a NaN in either skips
+    both groups, every weight bitwise unchanged, one skip counted."""
+    g = torch.Generator().manual_seed(9)
+
+    def param(n: int) -> torch.nn.Parameter:
+        return torch.nn.Parameter(torch.randn(n, generator=g).to(torch.bfloat16))
+
+    groups = [[param(300), param(40)], [param(50)]]
+    opt = collage.AdamW([{"params": groups[0]}, {"params": groups[1]}], strategy="plus",
+                        fused="triton")
+    for _ in range(2):
+        for p in groups[0] + groups[1]:
+            p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+        opt.step()
+    opt.param_groups[1]["params"].append(param(20))
+    every = opt.param_groups[0]["params"] + opt.param_groups[1]["params"]
+    for p in every:
+        p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+    opt.param_groups[bad_group]["params"][-1].grad.view(-1)[-1] = float("nan")
+    before = [p.detach().clone() for p in every]
+    planned = []
+    real = dispatch.check_planned
+    monkeypatch.setattr(dispatch, "check_planned",
+                        lambda ready, found: planned.append(ready.group.items) or
+                        real(ready, found))
+    opt.step()
+    assert len(planned) == 1 and len(planned[0]) == 2  # group 0, by its plan's kernel
+    assert opt.last_paths == {0: "triton", 1: "triton"}
+    for a, b in zip(before, every):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    with pytest.warns(RuntimeWarning, match="skipped 1 step"):
+        assert opt.skipped_steps == 1
+
+
 @needs_triton
 def test_a_step_with_the_verdict_on_the_device_never_reads_a_tensor_on_the_host(monkeypatch,
                                                                                ieee_sqrt):
@@ -431,8 +524,7 @@ def test_a_counter_replaced_by_another_tensor_leaves_the_plan(ieee_sqrt, nonfini
 def _device_plan_steps(count: int, steps: int = 4):
     """``count`` bf16 tensors of 40 elements under the default check, ``steps`` steps on the
     Triton path; the optimizer, its parameters, and the torch operations and launches of
-    the last (planned) step (the check itself stubbed: on CPU it is the native library's
-    one call, or per tensor without it; on a GPU one multi-tensor kernel)."""
+    the last (planned) step."""
     g = torch.Generator().manual_seed(count)
     params = [torch.nn.Parameter(torch.randn(40, generator=g).to(torch.bfloat16))
               for _ in range(count)]
@@ -465,17 +557,23 @@ class _CountOperations(TorchDispatchMode):
 def test_a_planned_device_step_runs_the_same_operations_for_3_tensors_as_for_30(
         monkeypatch, ieee_sqrt):
     """Issue #29: the host's work of a planned step under the default check does not grow
-    with the group's tensors: the counters are the elements of one vector (each state's
-    ``step`` a view of it), advanced by one operation; the coefficients are computed once
-    from it; the same torch operations run for 3 tensors as for 30 (no per-tensor
-    ``_foreach`` list, no stack of counters)."""
+    with the group's tensors: the check is the plan's kernels over its own tiles (the
+    per-tensor check, ``nonfinite_flag``, is not called); the counters are the elements of
+    one vector (each state's ``step`` a view of it), advanced by one operation; the
+    coefficients' table is kept and only its counter-dependent columns written; the same
+    torch operations run for 3 tensors as for 30 (no per-tensor ``_foreach`` list, no
+    stack)."""
+    checked = []
+    real = collage.optim.base.nonfinite_flag
     monkeypatch.setattr(collage.optim.base, "nonfinite_flag",
-                        lambda grads: torch.zeros((), dtype=torch.float32))
+                        lambda grads, **kw: checked.append(len(grads)) or real(grads, **kw))
     few_opt, few, few_ops = _device_plan_steps(3)
+    checked.clear()
     many_opt, many, many_ops = _device_plan_steps(30)
+    assert checked == [30]  # the first step only: the plan it made checks the next ones
     assert few_ops == many_ops  # the kernels' launches (interpreted) among them
-    assert "aten._foreach_add_" not in many_ops
-    assert many_ops["aten.stack"] == 1  # the coefficients' columns, not the counters
+    assert "aten._foreach_add_" not in many_ops and "aten._foreach_norm" not in many_ops
+    assert "aten.stack" not in many_ops and "aten.full" not in many_ops
     for opt, params in ((few_opt, few), (many_opt, many)):
         vector = launches.counter_vector([opt.state[p]["step"] for p in params])
         assert vector is not None and vector.tolist() == [4.0] * len(params)

@@ -41,8 +41,8 @@ from .group import Entry, GroupStep, entries_of, local
 from .native import path as native_path
 from .triton import path as triton_path
 
-__all__ = ["PATHS", "Prepared", "choose", "verdict_on_device", "prepare", "run",
-           "step_group"]
+__all__ = ["PATHS", "Prepared", "choose", "verdict_on_device", "prepare", "checks_planned",
+           "check_planned", "run", "step_group"]
 
 PATHS = ("reference", "per_tensor", "foreach", "native", "compiled", "triton")
 
@@ -135,6 +135,18 @@ def prepare(group: GroupStep) -> Prepared | None:
         return Prepared(group, "triton", plan_grads=grads)
     entries = entries_of(group)
     return Prepared(group, choose(group, entries[0].param.device), entries)
+
+
+def checks_planned(prepared: Prepared) -> bool:
+    """Whether the prepared group's plan checks its gradients for the device's non-finite
+    verdict itself (a Triton plan: :func:`check_planned`)."""
+    return prepared.path == "triton" and prepared.plan_grads is not None
+
+
+def check_planned(prepared: Prepared, found: torch.Tensor) -> None:
+    """Raise the device verdict ``found`` (zeroed or written before) to 1 where the
+    gradients of a group :func:`checks_planned` hold inf or nan: its plan's kernels."""
+    triton_path.check_planned(prepared.group, prepared.plan_grads, found)
 
 
 def run(prepared: Prepared) -> str:

@@ -29,7 +29,8 @@ library's view of the memory) is in ``docs/reliability.md``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from operator import attrgetter, itemgetter
 
 import torch
 
@@ -42,6 +43,10 @@ __all__ = ["WriteLog", "hides_weight", "rederive"]
 _HIDDEN_ROLES = frozenset({"master", "low", "compensation"})
 
 Mark = tuple[int, int]
+
+_PARAM = itemgetter(1)  # an Item's fields: name, param, grad, ...
+_VERSION = attrgetter("_version")
+_VERSION_OF_MARK = itemgetter(0)
 
 
 def hides_weight(strategy: Strategy) -> bool:
@@ -118,6 +123,17 @@ class WriteLog:
                 rederive(strategy, param, state)
                 self.note((param,))
 
+    def _versions_kept(self, items: Sequence[Item]) -> bool:
+        """Whether every item's parameter is a plain tensor with a recorded mark whose
+        version counter it still has: nothing to re-derive, where the pointers are known
+        to be the recorded ones. Passes in C (a step's common case: nothing edited)."""
+        params = list(map(_PARAM, items))
+        if not set(map(type, params)) <= PLAIN_TENSORS:
+            return False
+        marks = list(map(self._left.get, map(id, params)))
+        return None not in marks and list(map(_VERSION_OF_MARK, marks)) == list(
+            map(_VERSION, params))
+
     def rederive_edited(self, strategy: Strategy, items: Iterable[Item],
                         same_pointers: bool = False) -> bool:
         """Re-derive the hidden components of the edited parameters among ``items``;
@@ -126,6 +142,8 @@ class WriteLog:
         weight is known to have the pointer recorded (a native or Triton plan checked them
         against its table, made when they were recorded): only the counters are read."""
         if not hides_weight(strategy):
+            return False
+        if same_pointers and self._versions_kept(items):
             return False
         get, plain, found = self._left.get, PLAIN_TENSORS, False
         for item in items:

@@ -149,6 +149,9 @@ def check_gradient(name: str, param: torch.Tensor, grad: torch.Tensor) -> None:
     if grad.is_sparse:
         raise RuntimeError(f"parameter {name!r} has a sparse gradient; collage optimizers "
                            "need dense gradients")
+    if grad.layout is not torch.strided:
+        raise RuntimeError(f"parameter {name!r} has a gradient of layout {grad.layout}; "
+                           "collage optimizers need dense (torch.strided) gradients")
     if grad.dtype != param.dtype:
         raise TypeError(
             f"the gradient of parameter {name!r} is {grad.dtype} but the weight is "

@@ -89,8 +89,11 @@ def shard_group(params):
     default group instead double-counts the metrics under DDP and deadlocks an optimizer
     that only some ranks step. HSDP's (Replicate, Shard) mesh reduces over the shard dim.
     """
+    params = list(params)
+    if set(map(type, params)) <= PLAIN_TENSORS:  # the common case: one pass in C
+        return None
     for param in params:
-        if param.__class__ in PLAIN_TENSORS:  # the common case, without getattr's miss
+        if param.__class__ in PLAIN_TENSORS:  # without getattr's miss
             continue
         mesh = getattr(param, "device_mesh", None)
         if mesh is None:

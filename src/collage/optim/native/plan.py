@@ -11,9 +11,10 @@ what can change between steps:
 * the parameters with gradients are the same objects in the same order, each with the same
   state dict (``load_state_dict`` makes new ones);
 * the weight and every state tensor (the step counter included) still have the data
-  pointers of the table, the weight and the gradient are contiguous, the gradient has the
-  table's dtype (``p.data = ...``, a replaced state tensor or a non-contiguous gradient
-  fail the check);
+  pointers of the table, the weight and the gradient are contiguous, the gradient has its
+  parameter's dtype and shape (``p.data = ...``, a replaced state tensor or a
+  non-contiguous gradient fail the check); each check one pass in C over the tensors
+  (``plan_table.PlanTable``), not a Python loop;
 * the gradient's pointer is read into the table (``zero_grad(set_to_none=True)`` makes new
   gradients every step);
 * the group's strategy and its path flags (``foreach``, ``fused``, ``reference``,
@@ -38,11 +39,13 @@ which ``load_state_dict`` empties (the old tensors are freed at once).
 from __future__ import annotations
 
 from array import array
+from operator import itemgetter
 
 import torch
 
 from ..draws import MIX_START, mix_state
 from ..group import Entry, GroupStep
+from ..plan_table import PlanTable
 from . import calls
 from .build import loaded
 
@@ -58,8 +61,8 @@ class NativePlan:
     docstring). Build with :meth:`build` after a general native step; :meth:`step` runs
     the next step or returns False having changed nothing."""
 
-    __slots__ = ("lib", "strategy", "flags", "params", "states", "keys", "pointers", "table",
-                 "counters", "step_value", "grad_dtype", "key_states", "key_of")
+    __slots__ = ("lib", "strategy", "flags", "tensors", "table", "counters", "step_value",
+                 "grad_dtype", "key_states", "key_of")
 
     def __init__(self) -> None:  # use build()
         self.step_value = 0
@@ -75,28 +78,23 @@ class NativePlan:
         first = entries[0]
         keys = tuple(key for key, _ in calls.row_layout(group.rule, group.strategy)
                      if key) + ("step",)
-        rows, pointers, counters = [], [], []
+        rows, counters = [], []
         for entry in entries:
             if not _plannable(entry, first):
                 return None
             # the gradient and the stochastic keys are rewritten every step
             rows.extend(calls.table_row(entry.native, 0, 0, 0))
-            pointers.append((entry.item.param.data_ptr(),
-                             *[entry.state[key].data_ptr() for key in keys]))
             counters.append(entry.state["step"].data_ptr())
         plan = cls()
         plan.lib = lib
         plan.strategy = group.strategy
         plan.flags = _flags(group)
         if group.strategy.draws:  # draws.mix's state before the step, per row
-            positions = tuple(entry.item.position for entry in entries)
+            positions = _positions([entry.item for entry in entries])
             plan.key_states = array("Q", [mix_state(MIX_START, group.seed, p)
                                           for p in positions])
             plan.key_of = (group.seed, positions)
-        plan.params = [entry.item.param for entry in entries]
-        plan.states = [entry.state for entry in entries]
-        plan.keys = keys
-        plan.pointers = pointers
+        plan.tensors = PlanTable([entry.item for entry in entries], keys)
         plan.table = array("q", rows)
         plan.counters = array("q", counters)
         plan.step_value = first.step
@@ -107,13 +105,13 @@ class NativePlan:
         """The gradients' data pointers if the plan still describes the group's items (the
         checks of the module docstring), else None. Changes nothing."""
         items = group.items
-        if (len(items) != len(self.params) or self.step_value >= _MAX_STEP
+        if (len(items) != len(self.tensors.params) or self.step_value >= _MAX_STEP
                 or group.strategy is not self.strategy or _flags(group) != self.flags):
             return None
-        if self.key_of is not None and self.key_of != (
-                group.seed, tuple(item.position for item in items)):
+        if self.key_of is not None and self.key_of != (group.seed, _positions(items)):
             return None  # a new seed or parameter order: new key states
-        return self._gradient_pointers(items)
+        grads = self.tensors.gradients(items)
+        return None if grads is None else array("q", map(torch.Tensor.data_ptr, grads))
 
     def step(self, group: GroupStep, grads: array) -> bool:
         """Step the group with the gradient pointers :meth:`ready` returned; False (nothing
@@ -121,37 +119,24 @@ class NativePlan:
         self.table[calls.COLUMN_GRAD::calls.TABLE_COLUMNS] = grads
         step = self.step_value + 1
         if self.key_of is not None:  # the draws' keys depend on the step: mixed in by C
-            self.lib.collage_stochastic_keys(len(self.params), self.table.buffer_info()[0],
+            self.lib.collage_stochastic_keys(len(self.counters), self.table.buffer_info()[0],
                                              self.key_states.buffer_info()[0], step)
         scale = None if group.grad_scale is None else float(group.grad_scale)
         flags, h = calls.arguments(group.coefficients(step), scale, group.maximize,
                                    self.grad_dtype == torch.float32)
         if not calls.advance_steps(self.lib, self.counters, float(self.step_value)):
             return False  # a counter was changed: the general path reads them all
-        calls.call_threads(self.lib, self.strategy.native_code, flags, len(self.params),
+        calls.call_threads(self.lib, self.strategy.native_code, flags, len(self.counters),
                            self.table, h, torch.get_num_threads())
         self.step_value = step
         return True
 
-    def _gradient_pointers(self, items) -> array | None:
-        """The gradients' data pointers, or None if a check of the module docstring fails."""
-        keys, grad_dtype = self.keys, self.grad_dtype
-        grads = array("q")
-        for item, known, state, pointers in zip(items, self.params, self.states,
-                                                self.pointers):
-            param, grad = item.param, item.grad
-            if (param is not known or item.state is not state
-                    or grad.dtype != grad_dtype or not grad.is_contiguous()
-                    or not param.is_contiguous()):
-                return None
-            try:
-                now = (param.data_ptr(), *[state[key].data_ptr() for key in keys])
-            except KeyError:
-                return None
-            if now != pointers:
-                return None
-            grads.append(grad.data_ptr())
-        return grads
+def _positions(items) -> tuple[int, ...]:
+    """The items' parameter positions (one pass in C: this runs every step)."""
+    return tuple(map(_POSITION, items))
+
+
+_POSITION = itemgetter(4)  # an Item's fields: name, param, grad, state, position, ...
 
 
 def _flags(group: GroupStep) -> tuple:

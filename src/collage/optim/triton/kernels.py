@@ -703,6 +703,44 @@ def multi_tensor_step(
             tile = following
 
 
+@triton.jit(do_not_specialize=["tiles"])
+def nonfinite_check(
+    table,  # int64 [rows, NCOL]: the step's launch table (its numel column: tails)
+    grads,  # int64 [rows]: the address of each tensor's gradient
+    blocks,  # int32 [tiles, 2]: (row, block index in that row's tensor)
+    found,  # float32 [1]: raised to 1.0 where a gradient element is inf or nan
+    tiles,  # int: the number of (row, block) pairs in ``blocks``
+    W_KIND: tl.constexpr,  # the gradients' dtype
+    MASKED: tl.constexpr,  # these tiles are their tensor's last, partial blocks
+    ALIGNED: tl.constexpr,  # every address is a multiple of 16 bytes
+    BLOCK: tl.constexpr,
+):
+    """The default non-finite check of a planned step, over the step's own tiles (issue
+    #29): ``found`` is raised to 1.0 where an element is inf or nan, never lowered (every
+    launch of the step raises the same verdict, zeroed before them), one atomic per
+    program. The host reads nothing and walks no tensor: the gradients' addresses are the
+    launch's table. Masked lanes load 0 (finite)."""
+    pid = tl.program_id(0)
+    bad = tl.full([BLOCK], 0, tl.int32)
+    for i in range(pid, tiles, tl.num_programs(0)):
+        row = tl.load(blocks + 2 * i).to(tl.int64)
+        offs = tl.load(blocks + 2 * i + 1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        if MASKED:
+            mask = offs < tl.load(table + row * NCOL + C_NUMEL)
+        else:
+            mask = tl.full([BLOCK], True, tl.int1)
+        g = _value(_raw(_pointer(grads + row, W_KIND, ALIGNED), offs, mask), W_KIND)
+        bad = bad | tl.where(_finite(g), 0, 1)
+    # a reduction by a combine function of this module (tl.max is a @jit helper of
+    # triton.language.standard: see the module docstring)
+    tl.atomic_max(found, tl.reduce(bad, 0, _either).to(tl.float32))
+
+
+@triton.jit
+def _either(a, b):
+    return a | b
+
+
 @triton.jit
 def stochastic_probe(x, draw, out, n, HW: tl.constexpr, BLOCK: tl.constexpr):
     """``out = bf16 bits of stochastic rounding of x with draws``, elementwise by

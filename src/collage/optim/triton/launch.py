@@ -15,7 +15,10 @@ device from the step counters.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import math
+import operator
 import os
 import struct
 from collections.abc import Iterator, Sequence
@@ -41,8 +44,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 __all__ = ["triton", "GPU_BLOCK", "GPU_WARPS", "INTERPRETED_BLOCK", "interpreting",
            "kernel_module", "block_size", "Launch", "build", "signature_of", "refresh_grads",
            "grad_scale", "kernel_flags", "variant_flags", "launch_flags", "programs",
-           "step_arguments", "decays", "device_coefficients",
-           "capturable_decays", "counter_vector", "advance_counters", "launch"]
+           "step_arguments", "decays", "DeviceCoefficients", "device_coefficients", "check",
+           "capturable_decays", "counter_vector", "gather_counters", "advance_counters",
+           "launch"]
 
 #: elements per program: on a GPU 8 per thread of 4 warps (16-byte loads of bf16); in the
 #: interpreter small, so that small test tensors span several programs
@@ -177,8 +181,9 @@ def _blocks(numels: Sequence[int], block: int, whole: bool) -> torch.Tensor:
 
 
 def _aligned(addresses: Sequence[int]) -> bool:
-    """Whether every address is a multiple of 16 bytes (a 16-byte vector's)."""
-    return all(address % 16 == 0 for address in addresses)
+    """Whether every address is a multiple of 16 bytes (a 16-byte vector's): no low bit
+    set in any (their bitwise or, one pass in C)."""
+    return functools.reduce(operator.or_, addresses, 0) & 15 == 0
 
 
 def build(group: GroupStep, entries: Sequence[Entry], capturable: bool,
@@ -306,27 +311,56 @@ def decays(coefficients: dict) -> bool:
     return not is_one(coefficients["decay"])
 
 
+class DeviceCoefficients:
+    """float32 ``[rows, NCOEF]`` on the device: each row's coefficients at its step counter
+    (``steps``: the rows' counters as one float32 vector there, ``counter_vector``),
+    computed there in float64 (``Rule.step_coefficients``) and rounded once to float32.
+
+    Kept from step to step (a plan holds one): a column that is a number (the betas, eps,
+    a float learning rate's terms) is filled only when the number changes; the columns that
+    depend on the counters (or on a learning rate held in a device tensor) are computed
+    and copied in at every step. So a step costs the device operations of those columns
+    (about 10) instead of building the whole table (about 20: one fill per number, a stack,
+    a cast), each a launch the host pays for on a GPU (issue #29). Same bits: a fill rounds
+    its float64 number to float32 to nearest, as the cast of a float64 fill did; a copy
+    into the float32 column rounds the float64 values as ``.to(torch.float32)`` did. The
+    writes are stream-ordered after the last step's kernels, which read the table before."""
+
+    __slots__ = ("table", "columns", "numbers")
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.table = torch.zeros((rows, layout.NCOEF), dtype=torch.float32, device=device)
+        self.columns = self.table.unbind(1)  # views, made once
+        self.numbers: list[float | None] = [None] * layout.NCOEF
+
+    def update(self, group: GroupStep, steps: torch.Tensor) -> torch.Tensor:
+        """The table at the counters ``steps`` (float32, one per row, on the device)."""
+        device = steps.device
+        step = steps.to(torch.float64)
+        lr = group.hyper["lr"]
+        if isinstance(lr, torch.Tensor):
+            lr = lr.to(torch.float64) if lr.device == device else float(lr)
+        values = group.rule.step_coefficients(group.hyper, lr, step, next_step=False)
+        for j, key in enumerate(layout.COEFFICIENTS[group.rule.name]):
+            value = values[key]
+            if isinstance(value, torch.Tensor):
+                self.columns[j].copy_(value)  # float64 -> float32, to nearest
+                self.numbers[j] = None
+            elif not _same_number(self.numbers[j], float(value)):
+                self.columns[j].fill_(float(value))  # a fill, no copy from the host
+                self.numbers[j] = float(value)
+        return self.table
+
+
+def _same_number(known: float | None, value: float) -> bool:
+    """Whether a column filled with ``known`` holds ``value``: the same float, the sign of
+    a zero included (a kernel's result can depend on it); never for NaN (filled again)."""
+    return known == value and math.copysign(1.0, known) == math.copysign(1.0, value)
+
+
 def device_coefficients(group: GroupStep, steps: torch.Tensor) -> torch.Tensor:
-    """float32 ``[rows, NCOEF]``: each row's coefficients at its step counter (``steps``:
-    the rows' counters as one float32 vector on the device, ``counter_vector``), computed
-    there in float64 (``Rule.step_coefficients``), then rounded once."""
-    device = steps.device
-    step = steps.to(torch.float64)
-    lr = group.hyper["lr"]
-    if isinstance(lr, torch.Tensor):
-        lr = lr.to(torch.float64) if lr.device == device else float(lr)
-    values = group.rule.step_coefficients(group.hyper, lr, step, next_step=False)
-    columns = []
-    for key in layout.COEFFICIENTS[group.rule.name]:
-        value = values[key]
-        if isinstance(value, torch.Tensor):
-            columns.append(value.to(torch.float64).expand(step.shape))
-        else:  # a number: a fill, no copy from the host
-            columns.append(torch.full(step.shape, float(value), dtype=torch.float64,
-                                      device=device))
-    while len(columns) < layout.NCOEF:
-        columns.append(torch.zeros_like(step))
-    return torch.stack(columns, dim=1).to(torch.float32)
+    """:class:`DeviceCoefficients` of one step (a table made for it)."""
+    return DeviceCoefficients(steps.numel(), steps.device).update(group, steps)
 
 
 def counter_vector(counters: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -343,6 +377,27 @@ def counter_vector(counters: Sequence[torch.Tensor]) -> torch.Tensor | None:
         if (counter._base is not vector or counter.dim() != 0
                 or counter.storage_offset() != offset + index):
             return None
+    return vector
+
+
+def gather_counters(entries: list[Entry], device: torch.device) -> torch.Tensor:
+    """The entries' step counters as one float32 vector on ``device``, in their order, each
+    entry's ``state["step"]`` a 0-d view of its element (``launch.counter_vector``), so
+    that one operation advances them and one reads them, whatever the number of tensors
+    (issue #29: a planned group's host time does not grow with its tensors). Made where
+    they are not that yet (the first step, or the group's tensors changed): the values
+    stacked on the device, or filled from the host's counters (never read back there)."""
+    counters = [entry.state["step"] for entry in entries]
+    vector = counter_vector(counters)
+    if vector is not None and vector.device == device:
+        return vector
+    vector = torch.stack([
+        counter.to(torch.float32) if counter.device == device
+        # a fill on the device, not a copy from the host (which would wait for it)
+        else torch.full((), float(counter), dtype=torch.float32, device=device)
+        for counter in counters])
+    for index, entry in enumerate(entries):
+        entry.state["step"] = vector[index]
     return vector
 
 
@@ -394,4 +449,22 @@ def launch(plan: Launch, flags: dict, arguments: Sequence[float], step: int,
                 spare if coefficients is None else coefficients,
                 spare if scale is None else scale, spare if found is None else found,
                 *arguments, step, tiles, **flags,
+                **launch_flags(masked, plan.aligned, interpret), **options)
+
+
+def check(plan: Launch, dtype: torch.dtype, found: torch.Tensor) -> None:
+    """Raise ``found`` (float32, zeroed before the step's first check) to 1 where a
+    gradient of the bucket holds inf or nan (``kernels.nonfinite_check`` over the step's
+    own tiles: its whole blocks, then its tails), reading nothing on the host."""
+    device = plan.table.device
+    interpret = device.type == "cpu"
+    kernel = kernel_module(interpret).nonfinite_check
+    options = {} if interpret else {"num_warps": GPU_WARPS}
+    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+        for blocks, masked in ((plan.whole, False), (plan.tails, True)):
+            tiles = blocks.shape[0]
+            if tiles == 0:
+                continue
+            kernel[(programs(tiles, device),)](
+                plan.table, plan.grads, blocks, found, tiles, W_KIND=layout.KINDS[dtype],
                 **launch_flags(masked, plan.aligned, interpret), **options)

@@ -25,7 +25,8 @@ from . import launch as launches
 from . import layout
 from .plan import Bucket, TritonPlan
 
-__all__ = ["available", "unavailable", "fits", "step_triton", "planned", "step_planned"]
+__all__ = ["available", "unavailable", "fits", "step_triton", "planned", "check_planned",
+           "step_planned"]
 
 _CACHE = "triton"  # the group cache's key of this path's launches
 _PLAN = "triton_plan"  # ... and of its plan
@@ -194,6 +195,12 @@ def planned(group: GroupStep) -> list[int] | None:
     return grads
 
 
+def check_planned(group: GroupStep, grads: list[int], found: torch.Tensor) -> None:
+    """Raise the device verdict ``found`` where a gradient at :func:`planned`'s addresses
+    holds inf or nan (``TritonPlan.check``)."""
+    group.cache[_PLAN].check(grads, found)
+
+
 def step_planned(group: GroupStep, grads: list[int]) -> bool:
     """Step with the plan and :func:`planned`'s addresses (always done: True)."""
     group.cache[_PLAN].step(group, grads)
@@ -213,7 +220,7 @@ def _step_on_device(group: GroupStep, entries: list[Entry], found: torch.Tensor 
     for index, entry in enumerate(entries):
         positions.setdefault((entry.param.dtype, _aligned(entry)), []).append(index)
     # the counters in bucket order: each bucket's rows are a slice of one vector
-    counters = gather_counters([entries[i] for members in positions.values()
+    counters = launches.gather_counters([entries[i] for members in positions.values()
                                 for i in members], device)
     launches.advance_counters(counters, found)
     coefficients = launches.device_coefficients(group, counters)
@@ -234,24 +241,3 @@ def _step_on_device(group: GroupStep, entries: list[Entry], found: torch.Tensor 
         plan = TritonPlan.build(group, entries, done, on_device=True)
         if plan is not None:
             group.cache[_PLAN] = plan
-
-
-def gather_counters(entries: list[Entry], device: torch.device) -> torch.Tensor:
-    """The entries' step counters as one float32 vector on ``device``, in their order, each
-    entry's ``state["step"]`` a 0-d view of its element (``launch.counter_vector``), so
-    that one operation advances them and one reads them, whatever the number of tensors
-    (issue #29: a planned group's host time does not grow with its tensors). Made where
-    they are not that yet (the first step, or the group's tensors changed): the values
-    stacked on the device, or filled from the host's counters (never read back there)."""
-    counters = [entry.state["step"] for entry in entries]
-    vector = launches.counter_vector(counters)
-    if vector is not None and vector.device == device:
-        return vector
-    vector = torch.stack([
-        counter.to(torch.float32) if counter.device == device
-        # a fill on the device, not a copy from the host (which would wait for it)
-        else torch.full((), float(counter), dtype=torch.float32, device=device)
-        for counter in counters])
-    for index, entry in enumerate(entries):
-        entry.state["step"] = vector[index]
-    return vector

@@ -11,8 +11,9 @@ only what can change between steps:
   state dict (``load_state_dict`` and a strategy conversion make new ones), the group's
   rule, strategy, flags, seed and parameter positions are the plan's;
 * the weight and every state tensor still have the table's addresses, the weight and the
-  gradient are contiguous, the gradient is on the plan's device (and on 16 bytes where the
-  launch was told so);
+  gradient are contiguous, the gradient has its parameter's dtype and shape (so its device:
+  torch keeps a gradient on its parameter's), and is on 16 bytes where the launch was told
+  so; each check one pass in C over the tensors (``plan_table.PlanTable``);
 * each state's step counter is the plan's object, and none was written since the plan
   advanced it (its version counter, which every in-place write bumps: a counter set by hand
   or replaced sends the step to the general path).
@@ -20,21 +21,26 @@ only what can change between steps:
 The gradients' addresses are then read, the counters advanced and the launches run with
 the coefficients of the plan's next step: the general path's launches, so the results are
 bit for bit the same (``tests/optim/test_triton.py``). Plans are made for unmeasured steps
-of plain tensors whose counters are float32 scalars: on the host, all at one step value
-below 2**24, advanced by one ``_foreach_add_``; or, ``on_device`` (capturable, or the
-non-finite verdict left on the device: the default), on the parameters' device as the
-elements of one vector (``path.gather_counters``), advanced there by ``1 - verdict`` with
-one operation and the coefficients computed there once (``path._step_on_device``'s
-launches): the same device work for 3 tensors as for 300.
+of plain tensors whose counters are float32 scalars, made the elements of one vector
+(``launch.gather_counters``: each state's ``step`` a 0-d view of it) so that one operation
+advances them all: on the host, all at one step value below 2**24, advanced by one
+``add_``; or, ``on_device`` (capturable, or the non-finite verdict left on the device: the
+default), on the parameters' device, advanced there by ``1 - verdict``, the coefficients
+computed there once (``launch.DeviceCoefficients``) and the gradients checked by the plan's
+kernels (:meth:`TritonPlan.check`): the same host and device work for 3 tensors as for
+300, but for the checks of ``plan_table``.
 """
 
 from __future__ import annotations
 
-from operator import is_
+from functools import reduce
+from itertools import compress, repeat
+from operator import is_, itemgetter, or_
 
 import torch
 
 from ..group import Entry, GroupStep
+from ..plan_table import PlanTable
 from . import launch as launches
 from . import layout
 
@@ -52,7 +58,10 @@ def _flags(group: GroupStep) -> tuple:
     sends the step to the general path."""
     return (group.rule, group.strategy, group.foreach, group.fused, group.reference,
             bool(group.hyper.get("capturable", False)), group.seed,
-            tuple(item.position for item in group.items))
+            tuple(map(_POSITION, group.items)))
+
+
+_POSITION = itemgetter(4)  # an Item's fields: name, param, grad, state, position, ...
 
 
 class TritonPlan:
@@ -60,9 +69,8 @@ class TritonPlan:
     module docstring). Build with :meth:`build` after a general step; :meth:`ready` checks,
     :meth:`step` runs."""
 
-    __slots__ = ("flags", "params", "states", "keys", "param_pointers", "state_pointers",
-                 "counters", "vector", "versions", "device", "buckets", "aligned",
-                 "step_value", "on_device")
+    __slots__ = ("flags", "table", "counters", "vector", "versions", "device", "buckets",
+                 "aligned", "all_aligned", "step_value", "on_device", "coefficients")
 
     @classmethod
     def build(cls, group: GroupStep, entries: list[Entry], buckets: list[Bucket],
@@ -77,67 +85,47 @@ class TritonPlan:
         plan = cls()
         plan.on_device = on_device
         plan.flags = _flags(group)
-        plan.params = [entry.item.param for entry in entries]
-        plan.states = [entry.state for entry in entries]
-        plan.keys = tuple(first.tensors)
-        plan.param_pointers = [entry.param.data_ptr() for entry in entries]
-        plan.state_pointers = [entry.tensors[key].data_ptr()
-                               for entry in entries for key in plan.keys]
-        plan.counters = [entry.state["step"] for entry in entries]
-        plan.vector = None
-        if on_device:  # one vector in bucket order (path.gather_counters made it)
+        plan.table = PlanTable([entry.item for entry in entries], tuple(first.tensors))
+        plan.coefficients = None
+        if on_device:  # one vector in bucket order (path._step_on_device made it)
             plan.vector = launches.counter_vector(
-                [plan.counters[i] for _, members, _ in buckets for i in members])
+                [entries[i].state["step"] for _, members, _ in buckets for i in members])
             if plan.vector is None:
                 return None
-        plan.versions = plan._counter_versions()
+            plan.coefficients = launches.DeviceCoefficients(len(entries), plan.vector.device)
+        else:  # on the host: made one vector there now (the values kept)
+            plan.vector = launches.gather_counters(entries, torch.device("cpu"))
+        plan.counters = [entry.state["step"] for entry in entries]
+        plan.versions = plan.vector._version
         plan.device = first.param.device
         plan.buckets = buckets
         plan.aligned = [False] * len(entries)
         for launch, members, _ in buckets:
             for member in members:
                 plan.aligned[member] = launch.aligned
+        plan.all_aligned = all(plan.aligned)
         plan.step_value = first.step
         return plan
-
-    def _counter_versions(self) -> int | list[int]:
-        """What any in-place write to a counter changes: the vector's version counter
-        (which its views share), or each counter's."""
-        if self.vector is not None:
-            return self.vector._version
-        return [counter._version for counter in self.counters]
 
     def ready(self, group: GroupStep) -> list[int] | None:
         """The gradients' addresses if the plan still describes the group (the checks of the
         module docstring), else None. Changes nothing. Each check is one pass over the
-        tensors in C (``map``), not a Python loop: this runs every step."""
-        items = group.items
-        if len(items) != len(self.params) or self.step_value + 1 >= _MAX_STEP:
+        tensors in C (``plan_table.PlanTable``), not a Python loop: this runs every step."""
+        if self.step_value + 1 >= _MAX_STEP:
             return None
         if self.on_device != on_device(group) or _flags(group) != self.flags:
             return None
-        if self._counter_versions() != self.versions:
+        if self.vector._version != self.versions:
             return None  # a counter was written since: the general path reads them all
-        params = [item.param for item in items]
-        states = [item.state for item in items]
-        grads = [item.grad for item in items]
-        if not (all(map(is_, params, self.params)) and all(map(is_, states, self.states))
-                and all(map(is_, [state.get("step") for state in states], self.counters))):
-            return None
-        device = self.device
-        if not (all(map(torch.Tensor.is_contiguous, grads))
-                and all(map(torch.Tensor.is_contiguous, params))
-                and all(grad.device == device for grad in grads)):
-            return None
-        try:
-            now = [state[key].data_ptr() for state in states for key in self.keys]
-        except KeyError:
-            return None
-        if (now != self.state_pointers
-                or list(map(torch.Tensor.data_ptr, params)) != self.param_pointers):
+        grads = self.table.gradients(group.items)
+        if grads is None or not all(map(is_, map(dict.get, self.table.states,
+                                                 repeat("step")), self.counters)):
             return None
         addresses = list(map(torch.Tensor.data_ptr, grads))
-        if any(address & 15 for address, aligned in zip(addresses, self.aligned) if aligned):
+        if self.all_aligned:
+            if reduce(or_, addresses, 0) & 15:  # one is not on 16 bytes
+                return None
+        elif any(address & 15 for address in compress(addresses, self.aligned)):
             return None
         return addresses
 
@@ -146,8 +134,8 @@ class TritonPlan:
         if self.on_device:
             self._step_on_device(group, grads)
             return
-        torch._foreach_add_(self.counters, 1.0)
-        self.versions = self._counter_versions()
+        self.vector.add_(1.0)
+        self.versions = self.vector._version
         step = self.step_value + 1
         coefficients = group.coefficients(step)
         arguments = launches.step_arguments(group.rule, coefficients)
@@ -159,6 +147,14 @@ class TritonPlan:
             launches.launch(launch, flags, arguments, step, None, scale)
         self.step_value = step
 
+    def check(self, grads: list[int], found: torch.Tensor) -> None:
+        """Raise the step's device verdict ``found`` to 1 where a gradient at ``grads``
+        (:meth:`ready`'s addresses) holds inf or nan: one check launch per bucket (its
+        whole blocks and its tails), whatever the number of tensors."""
+        for launch, members, dtype in self.buckets:
+            launches.refresh_grads(launch, [grads[i] for i in members])
+            launches.check(launch, dtype, found)
+
     def _step_on_device(self, group: GroupStep, grads: list[int]) -> None:
         """The counters advanced on the device by ``1 - verdict`` (one operation on their
         vector), the coefficients computed there once, each bucket launched with its rows
@@ -166,7 +162,7 @@ class TritonPlan:
         found = group.found_nonfinite
         launches.advance_counters(self.vector, found)
         self.versions = self.vector._version
-        coefficients = launches.device_coefficients(group, self.vector)
+        coefficients = self.coefficients.update(group, self.vector)
         scale = launches.grad_scale(group, self.device)
         decays = launches.capturable_decays(group)
         interpreted = self.device.type == "cpu"
