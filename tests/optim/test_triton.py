@@ -580,6 +580,37 @@ def test_a_planned_device_step_runs_the_same_operations_for_3_tensors_as_for_30(
         assert opt.last_paths == {0: "triton"}
 
 
+@pytest.mark.parametrize(("rule_name", "hyper"), [
+    ("adamw", {"lr": 3e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}),
+    ("adamw", {"lr": 1e-3, "betas": (0.95, 0.95), "eps": 1e-6, "weight_decay": 0.0}),
+    ("lion", {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.01}),
+    ("sgd", {"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 1e-4,
+             "nesterov": False}),
+])
+def test_the_device_coefficients_are_the_hosts_in_float32_at_every_step(rule_name, hyper):
+    """The Triton path's device coefficients (``launch.DeviceCoefficients``: torch's
+    float64 operations on the step counters, rounded once to float32) against the host's
+    (the rule's Python floats, rounded once to float32: the kernels' arguments when the
+    counters live on the host), steps 1 to 20,000, bit for bit; the table kept from step
+    to step (a number column filled again only when it changes: here the learning rate's)
+    gives the same as a new one. torch's float64
+    ``pow`` differs from Python's in the last bit now and then, so this is the contract
+    the device path relies on: a float32 difference needs a float64 value within an ulp of
+    a float32 tie."""
+    rule = collage.optim.rules.RULES[rule_name]
+    group = collage.optim.group.GroupStep(rule, get_strategy("plus"), hyper, [])
+    steps = torch.arange(1, 20_001, dtype=torch.float32)
+    table = launches.DeviceCoefficients(len(steps), steps.device)
+    earlier = collage.optim.group.GroupStep(rule, get_strategy("plus"),
+                                            dict(hyper, lr=2 * hyper["lr"]), [])
+    table.update(earlier, steps + 5)  # another step and learning rate: rewritten below
+    got = table.update(group, steps)
+    assert torch.equal(got, launches.device_coefficients(group, steps))
+    want = torch.tensor([launches.step_arguments(rule, rule.coefficients(hyper, step))
+                         for step in range(1, 20_001)], dtype=torch.float32)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 @needs_triton
 def test_device_counters_survive_a_state_dict_round_trip(ieee_sqrt):
     """The counters' vector is saved as its elements' values: ``torch.save`` of the state

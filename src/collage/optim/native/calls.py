@@ -43,7 +43,8 @@ import ctypes
 from array import array
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from itertools import chain
+from itertools import chain, compress
+from operator import attrgetter
 
 import torch
 
@@ -247,19 +248,34 @@ def any_nonfinite(tensors: Sequence[torch.Tensor], threads: int | None = None,
     lib = lib or loaded()
     if lib is None:
         return None
-    tables: dict[bool, list[int]] = {}
-    for t in tensors:
-        if (not t.is_cpu or t.dtype not in (torch.bfloat16, torch.float32)
-                or not t.is_contiguous()):
-            return None
-        if t.numel():
-            tables.setdefault(t.dtype == torch.float32, []).extend((t.data_ptr(), t.numel()))
+    # passes in C over the tensors, not a Python loop: this runs every step, and a small
+    # model's step is mostly per-tensor costs (#31)
+    if not (all(map(_IS_CPU, tensors)) and all(map(_CONTIGUOUS, tensors))):
+        return None
+    dtypes = list(map(_DTYPE, tensors))
+    if len(dtypes) != dtypes.count(torch.bfloat16) + dtypes.count(torch.float32):
+        return None  # another dtype: the caller checks with torch
+    pairs = list(zip(map(_DATA_PTR, tensors), map(_NUMEL, tensors)))
     threads = torch.get_num_threads() if threads is None else threads
-    for wide, pairs in tables.items():
-        flat = array("q", pairs)
-        if lib.collage_nonfinite(int(wide), len(pairs) // 2, flat.buffer_info()[0], threads):
+    for dtype in (torch.bfloat16, torch.float32):
+        if dtypes.count(dtype) == len(dtypes):  # one dtype (the common case): one table
+            table = pairs
+        else:
+            table = list(compress(pairs, [d is dtype for d in dtypes]))
+        if not table:
+            continue
+        flat = array("q", chain.from_iterable(table))
+        if lib.collage_nonfinite(int(dtype == torch.float32), len(table),
+                                 flat.buffer_info()[0], threads):
             return True
     return False
+
+
+_IS_CPU = attrgetter("is_cpu")
+_DTYPE = attrgetter("dtype")
+_CONTIGUOUS = torch.Tensor.is_contiguous
+_DATA_PTR = torch.Tensor.data_ptr
+_NUMEL = torch.Tensor.numel
 
 
 def _call(lib, code: int, flags: int, table: list[list[int]], h: array,
