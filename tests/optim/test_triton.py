@@ -486,7 +486,7 @@ def _set_counters(opt, step: int) -> None:
 def test_later_steps_follow_the_plan_and_leave_it_when_a_counter_is_written(
         monkeypatch, ieee_sqrt, nonfinite):
     """``ignore``: the counters on the host, one per tensor; ``skip`` (the default): on the
-    device, the elements of one vector (``path.gather_counters``): a write to any of them
+    device, the elements of one vector (``launch.gather_counters``): a write to any of them
     is seen by the vector's version counter."""
     built = []
     original = triton_plan.TritonPlan.build.__func__

@@ -365,7 +365,7 @@ def device_coefficients(group: GroupStep, steps: torch.Tensor) -> torch.Tensor:
 
 def counter_vector(counters: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The float32 vector whose elements ``counters`` are, in order (each a 0-d view of
-    it, as ``path.gather_counters`` makes them), or None where they are not: then one
+    it, as :func:`gather_counters` makes them), or None where they are not: then one
     operation on the vector advances or reads them all, whatever their number."""
     first = counters[0]
     vector = first._base
