@@ -53,6 +53,24 @@ def test_verdict_is_torchs_for_every_position(dtype, threads) -> None:
     assert native.any_nonfinite(tensors, threads=threads) is False
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("n", [3, 4, 5, 7, 8, 13, 151])
+def test_every_position_of_the_interleaved_parts_and_the_rest(dtype, n) -> None:
+    """The check reads a span as four interleaved parts and then the elements after them
+    (``span_nonfinite``): an inf or a nan at every position of a tensor of ``n`` elements
+    (parts of 0, 1, 3 and 37 elements; a rest of 0-3) is found, one thread; none where
+    every element is finite."""
+    gen = torch.Generator().manual_seed(n)
+    t = torch.randn(n, generator=gen).mul_(1e30).to(dtype)
+    assert native.any_nonfinite([t], threads=1) is False
+    for value in (float("inf"), float("nan")):
+        for position in range(n):
+            original = t[position].clone()
+            t[position] = value
+            assert native.any_nonfinite([t], threads=1) is True, (value, n, position)
+            t[position] = original
+
+
 def test_other_tensors_are_left_to_torch() -> None:
     half = torch.ones(4, dtype=torch.float16)
     strided = torch.ones(8)[::2]
