@@ -21,7 +21,7 @@ import math
 import operator
 import os
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -428,28 +428,40 @@ def programs(tiles: int, device: torch.device) -> int:
     return min(tiles, sms * PROGRAMS_PER_SM)
 
 
-def launch(plan: Launch, flags: dict, arguments: Sequence[float], step: int,
-           coefficients: torch.Tensor | None, scale: torch.Tensor | None,
-           found: torch.Tensor | None = None) -> None:
-    """Run a bucket's launches: its whole blocks unmasked, then its tails masked (two
-    kernel calls whatever the number of tensors). ``found``: the device's non-finite
-    verdict (``flags["SKIPPABLE"]``): nonzero, the kernels write nothing."""
+def _each_kind_of_block(plan: Launch, run: Callable[[tuple, torch.Tensor, int, dict], None]
+                        ) -> None:
+    """``run(grid, blocks, tiles, flags)`` for the bucket's whole blocks (unmasked), then
+    its tails (masked), where it has any, on the launch's device: the two kernel calls of
+    a launch, whatever the number of tensors."""
     device = plan.table.device
     interpret = device.type == "cpu"
-    kernel = kernel_module(interpret).multi_tensor_step
-    spare = plan.table  # any pointer, for an argument the flags leave unread
-    options = {} if interpret else {"num_warps": GPU_WARPS, "enable_fp_fusion": False}
     with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
         for blocks, masked in ((plan.whole, False), (plan.tails, True)):
             tiles = blocks.shape[0]
-            if tiles == 0:
-                continue
-            kernel[(programs(tiles, device),)](
-                plan.table, plan.grads, blocks,
-                spare if coefficients is None else coefficients,
-                spare if scale is None else scale, spare if found is None else found,
-                *arguments, step, tiles, **flags,
-                **launch_flags(masked, plan.aligned, interpret), **options)
+            if tiles:
+                run((programs(tiles, device),), blocks, tiles,
+                    launch_flags(masked, plan.aligned, interpret))
+
+
+def _options(device: torch.device, **compiled) -> dict:
+    """The launch options: none in the interpreter; on a GPU the warps and ``compiled``."""
+    return {} if device.type == "cpu" else {"num_warps": GPU_WARPS, **compiled}
+
+
+def launch(plan: Launch, flags: dict, arguments: Sequence[float], step: int,
+           coefficients: torch.Tensor | None, scale: torch.Tensor | None,
+           found: torch.Tensor | None = None) -> None:
+    """Run a bucket's step: its whole blocks unmasked, then its tails masked. ``found``:
+    the device's non-finite verdict (``flags["SKIPPABLE"]``): nonzero, the kernels write
+    nothing."""
+    device = plan.table.device
+    kernel = kernel_module(device.type == "cpu").multi_tensor_step
+    spare = plan.table  # any pointer, for an argument the flags leave unread
+    options = _options(device, enable_fp_fusion=False)
+    _each_kind_of_block(plan, lambda grid, blocks, tiles, kind: kernel[grid](
+        plan.table, plan.grads, blocks, spare if coefficients is None else coefficients,
+        spare if scale is None else scale, spare if found is None else found, *arguments,
+        step, tiles, **flags, **kind, **options))
 
 
 def check(plan: Launch, dtype: torch.dtype, found: torch.Tensor) -> None:
@@ -457,14 +469,8 @@ def check(plan: Launch, dtype: torch.dtype, found: torch.Tensor) -> None:
     gradient of the bucket holds inf or nan (``kernels.nonfinite_check`` over the step's
     own tiles: its whole blocks, then its tails), reading nothing on the host."""
     device = plan.table.device
-    interpret = device.type == "cpu"
-    kernel = kernel_module(interpret).nonfinite_check
-    options = {} if interpret else {"num_warps": GPU_WARPS}
-    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
-        for blocks, masked in ((plan.whole, False), (plan.tails, True)):
-            tiles = blocks.shape[0]
-            if tiles == 0:
-                continue
-            kernel[(programs(tiles, device),)](
-                plan.table, plan.grads, blocks, found, tiles, W_KIND=layout.KINDS[dtype],
-                **launch_flags(masked, plan.aligned, interpret), **options)
+    kernel = kernel_module(device.type == "cpu").nonfinite_check
+    options = _options(device)
+    _each_kind_of_block(plan, lambda grid, blocks, tiles, kind: kernel[grid](
+        plan.table, plan.grads, blocks, found, tiles, W_KIND=layout.KINDS[dtype], **kind,
+        **options))
