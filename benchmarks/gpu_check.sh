@@ -27,10 +27,10 @@ usage() {
 source "$(dirname "$0")/gpu_common.sh"
 # per-stage limits (seconds): 450 s in all, 30 s of the 8 minutes left for slack
 install_timeout=${INSTALL_TIMEOUT:-45}
-tests_timeout=${TESTS_TIMEOUT:-125}
+tests_timeout=${TESTS_TIMEOUT:-115}
 optimizer_timeout=${OPTIMIZER_TIMEOUT:-140}
-train_timeout=${TRAIN_TIMEOUT:-85}
-model_timeout=${MODEL_TIMEOUT:-40}
+train_timeout=${TRAIN_TIMEOUT:-80}
+model_timeout=${MODEL_TIMEOUT:-55}
 goals_timeout=15
 
 # the test selection: the CUDA matrix and the interpreter tests, nothing else

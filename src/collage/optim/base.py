@@ -396,10 +396,11 @@ class CollageOptimizer(Optimizer):
         """(group index, group, items) for the parameters that have gradients. This runs
         every step, per parameter (issue #29: on a GPU it is host time the step waits
         for): each group is read in passes that run in C (``map`` over the parameters: a
-        Python loop costs about 1 us per parameter, a pass about 0.05 us), the gradients
-        checked against their parameters by comparing lists (:func:`_grads_fit`: the full
-        check only where one differs), each item made as the tuple it is, without the
-        named tuple's Python-level constructor."""
+        Python loop costs about 1 us per parameter, a pass about 0.05 us), each item made
+        as the tuple it is, without the named tuple's Python-level constructor. Only the
+        layout is checked here (a sparse gradient is refused before the non-finite check
+        reads it); each path checks dtype and shape where it takes its items
+        (``group.check_item``, or a plan against its table), before anything changes."""
         positions = self._parameter_positions()
         state = self.state
         batches = []
