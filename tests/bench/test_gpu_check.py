@@ -104,10 +104,28 @@ def test_goals_read_off_results(tmp_path):
     assert found["plus fraction of the HBM roofline (100M+)"]["holds"] is False
     assert found["first step, kernels compiled (s)"]["value"] == 7.0
     assert found["train: plus peak memory vs autocast"]["value"] is None
+    # no loop measurements (a CPU run, or an older bench): "not measured", never estimated
+    looped = found["light step speed vs torch fused AdamW fp32 (100M+), steps in a loop"]
+    assert looped["value"] is None and looped["holds"] is None
     script = str(ROOT / "benchmarks" / "gpu_goals.py")
     done = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True,
                           text=True, timeout=60, check=True)
     assert "Some GPU" in done.stdout and "not measured" in done.stdout
+
+
+def test_the_loop_goal_reads_the_loop_ratio_at_the_worst_size():
+    module = _goals_module()
+    optimizer = {"sizes": [
+        {"size": "100m", "rows": [{**_row("light", 0.9, 0.5, 0.1),
+                                   "loop_speedup_vs_torch_fused": 1.55}]},
+        {"size": "1b", "rows": [{**_row("light", 1.6, 0.9, 0.1),
+                                 "loop_speedup_vs_torch_fused": 1.7}]},
+    ]}
+    found = {g["goal"]: g for g in module.goals(optimizer, None)}
+    isolated = found["light step speed vs torch fused AdamW fp32 (100M+)"]
+    looped = found["light step speed vs torch fused AdamW fp32 (100M+), steps in a loop"]
+    assert (isolated["value"], isolated["holds"]) == (0.9, False)
+    assert (looped["value"], looped["holds"]) == (1.55, True)
 
 
 def test_no_results_is_not_measured(tmp_path):

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 
+import pytest
 import torch
 
 from collage.bench import measure, optimizer
@@ -124,3 +126,39 @@ def test_the_recorded_command_runs_again():
     again = parser.parse_args(["optimizer", *shlex.split(" ".join(words))])
     assert again.baselines == "" and again.nonfinite == "" and again.strategies == "plus"
     assert again.foreach_max == 2e6
+
+
+def test_a_loop_times_steps_back_to_back_and_pairs_them_with_the_baseline():
+    """``measure._looped``: each side's steps run ``steps`` at a time, the loops alternate,
+    and the ratio is the median of the per-loop ratios (here the candidate takes half the
+    baseline's time in every loop: 2.0)."""
+    calls = []
+
+    def fake(name: str, seconds: float):
+        def step():
+            calls.append(name)
+            time.sleep(seconds)
+        return step
+
+    out = measure._looped(fake("c", 0.004), fake("b", 0.008), torch.device("cpu"),
+                          steps=3, repeats=3)
+    assert calls == (["c"] * 3 + ["b"] * 3) * 3
+    assert out["loop_steps"] == 3
+    assert out["loop_speedup_vs_torch_fused"] == pytest.approx(2.0, rel=0.35)
+    assert out["loop_time_s"] < out["loop_baseline_s"]
+
+
+def test_the_loop_table_appears_only_where_loops_were_timed():
+    """A size whose rows carry loop timings (CUDA) gets the loop table under the usual one,
+    with the row's own ratio; a CPU size (none) does not."""
+    row = {"label": "collage light (fused, triton)", "bytes_per_param": 18,
+           "time_s": {"median": 0.002, "p90": 0.0021}, "ns_per_param": {"median": 0.02},
+           "GBps": 900.0, "roofline_fraction": 0.5, "baseline_median_s": 0.0018,
+           "speedup_vs_torch_fused": 0.9, "speedup_vs_torch_fused_cpu": 1.0}
+    block = {"size": "100m", "n_params": 10**8, "n_tensors": 148, "copy_GBps": None,
+             "add_GBps": None, "rows": [row]}
+    assert "in a loop" not in optimizer.table({"sizes": [block]})
+    row.update(loop_time_s=0.0011, loop_baseline_s=0.0017, loop_speedup_vs_torch_fused=1.55,
+               loop_steps=10)
+    text = optimizer.table({"sizes": [block]})
+    assert "| collage light (fused, triton) | 1.1 | 1.7 | 1.55 |" in text

@@ -203,6 +203,39 @@ def _interleaved(step: Callable, base: _Baseline, rounds: int, timed) -> dict[st
     return times
 
 
+#: steps per timed loop and loops per side (:func:`_looped`)
+LOOP_STEPS, LOOP_REPEATS = 10, 3
+
+
+def _looped(step: Callable, baseline: Callable, device: torch.device,
+            steps: int = LOOP_STEPS, repeats: int = LOOP_REPEATS) -> dict:
+    """The step's time in a loop, as training runs it: ``steps`` steps back to back with
+    one synchronisation after the last (a step that never waits for the device lets the
+    host prepare the next step while the device runs this one: the slower of the two sets
+    the pace), per step; the candidate's and the baseline's loops alternate ``repeats``
+    times. The isolated rounds (synchronised around every step) add the host's time to the
+    device's instead; on a CPU the two are the same."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def per_step(fn: Callable) -> float:
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        sync()
+        return (time.perf_counter() - start) / steps
+
+    ours, theirs = [], []
+    for _ in range(repeats):
+        ours.append(per_step(step))
+        theirs.append(per_step(baseline))
+    return {"loop_time_s": statistics.median(ours),
+            "loop_baseline_s": statistics.median(theirs),
+            "loop_speedup_vs_torch_fused": statistics.median(
+                b / c for b, c in zip(theirs, ours)),
+            "loop_steps": steps}
+
+
 def _speed_row(nbytes: float, n: int, t: dict[str, float], bandwidth: float) -> dict:
     """Time per parameter, achieved GB/s and the fraction of the roofline."""
     return {
@@ -259,6 +292,8 @@ def _measure_candidate(cand: Candidate, size: str, shapes, n: int, base: _Baseli
         "speedup_vs_torch_fused_cpu": statistics.median(
             b / max(c, 1e-9) for b, c in zip(times["b_cpu"], times["c_cpu"])),
     }
+    if settings.device.type == "cuda":  # the host may run ahead there (docs/gpu.md)
+        row.update(_looped(step, base.step, settings.device))
     if cand.path == "fused" and path_ran:  # "collage plus (fused, native)"
         row["label"] = f"{cand.label[:-1]}, {path_ran})"
     log(settings.quiet, f"[{size}] {row['label']:58s} {t['median'] * 1e3:9.2f} ms  "

@@ -83,6 +83,9 @@ def table(result: dict) -> str:
                 f"{_fmt_ms(r['baseline_median_s'])} | "
                 f"{r['speedup_vs_torch_fused']:.3g} | {r['speedup_vs_torch_fused_cpu']:.3g} |")
         lines += ["", RATIO_NOTE, ""]
+        looped = [r for r in block["rows"] if "loop_speedup_vs_torch_fused" in r]
+        if looped:
+            lines += _loop_table(looped)
     if result.get("compile"):
         c = result["compile"]
         lines.append("### First step (compilation), fresh processes, `small` size")
@@ -96,6 +99,26 @@ def table(result: dict) -> str:
                          f"{1e3 * warm.get('second_step_s', float('nan')):.2f} |")
         lines.append("")
     return "\n".join(lines)
+
+
+#: what the loop table is (printed under it)
+LOOP_NOTE = (
+    "In a loop: each side's steps run back to back, one synchronisation after the last "
+    "(`measure.LOOP_STEPS` steps, loops alternating `measure.LOOP_REPEATS` times), as a "
+    "training loop runs them: a step that never waits for the device lets the host prepare "
+    "the next one meanwhile, so the slower of host and device sets the pace. The table "
+    "above synchronises around every step and adds the two.")
+
+
+def _loop_table(rows: list[dict]) -> list[str]:
+    """The rows' steps timed in a loop (CUDA: ``measure._looped``)."""
+    lines = ["| optimizer | ms per step in a loop | torch fused ms, same loops | "
+             "x torch fused, in a loop |", "|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {_fmt_ms(r['loop_time_s'])} | "
+                     f"{_fmt_ms(r['loop_baseline_s'])} | "
+                     f"{r['loop_speedup_vs_torch_fused']:.3g} |")
+    return lines + ["", LOOP_NOTE, ""]
 
 
 def markdown(result: dict) -> str:
