@@ -137,3 +137,12 @@ def test_json_output_has_the_documented_keys(capsys):
     assert {row["variant"] for row in rows} >= {"whole", "tail", "copy"}
     assert all(0 < row["predicted_1b"] <= 1 and 0 < row["predicted_100m"] <= 1
                for row in rows)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback without a GPU")
+def test_the_host_on_a_missing_gpu_falls_back_to_this_cpu_with_a_warning(capsys):
+    """``--host-device cuda`` where there is no GPU: one warning and this CPU's host time
+    (launches stubbed), so that the model's table still comes back from a run."""
+    host = gpu_model._host_on_gpu_or_cpu("cuda")
+    assert "could not be measured" in capsys.readouterr().err
+    assert host["skip_launches"] > 0 and host["skip"] > host["skip_python"] > 0
