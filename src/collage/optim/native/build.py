@@ -244,6 +244,9 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.collage_residual_pairs.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                            ctypes.c_void_p, ctypes.c_int]
     lib.collage_residual_pairs.restype = ctypes.c_int
+    lib.collage_probe_over_bc2s.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
+                                            ctypes.c_void_p]
+    lib.collage_probe_over_bc2s.restype = ctypes.c_int
     lib.collage_stochastic_keys.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                             ctypes.c_int64]
     lib.collage_stochastic_keys.restype = None

@@ -138,6 +138,7 @@ void collage_stochastic_keys(int64_t count, int64_t *table, const uint64_t *stat
                              int64_t step);
 int collage_stochastic_round(const float *x, int64_t n, int64_t first, int64_t key0,
                              int64_t key1, uint16_t *out, int pairs);
+int collage_probe_over_bc2s(const float *x, int64_t n, float b, float *out);
 int collage_residual_pairs(const float *x, int64_t n, uint16_t *hi, uint16_t *lo,
                            int pairs);
 

@@ -164,7 +164,7 @@ static inline __attribute__((always_inline)) __m512 v_adam(const int SCALED, con
      * 2**-24, e.g. after 324 steps at beta2 = 0.95, 16,627 at 0.999), and x / 1 == x for
      * every float x, NaN included: one division fewer, the same bits */
     __m512 root = _mm512_sqrt_ps(*v);
-    if (!BC1) root = _mm512_div_ps(root, c->bc2s);
+    if (!BC1) root = v_over_bc2s(c, root); /* the IEEE quotient, no divider */
     __m512 den = _mm512_add_ps(root, c->eps);
     return _mm512_div_ps(_mm512_mul_ps(*m, c->neg_step), den);
 }
@@ -449,6 +449,7 @@ static inline __attribute__((always_inline)) void vector_range(
     c.beta2 = _mm512_set1_ps(h[H_BETA2]);
     c.omb2 = _mm512_set1_ps(h[H_OMB2]);
     c.bc2s = _mm512_set1_ps(h[H_BC2S]);
+    c.rbc2s = _mm512_set1_ps(1.0f / h[H_BC2S]);
     c.eps = _mm512_set1_ps(h[H_EPS]);
     c.neg_step = _mm512_set1_ps(h[H_NEG_STEP]);
     c.decay = _mm512_set1_ps(h[H_DECAY]);

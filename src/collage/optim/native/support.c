@@ -47,6 +47,24 @@ int collage_stochastic_round(const float *x, int64_t n, int64_t first, int64_t k
     return 0;
 }
 
+/* out[j] = x[j] / b as the AVX-512 kernels divide by the bias correction's root
+ * (v_over_bc2s, on whole vectors of 16; the tail by the IEEE division, as the kernels'
+ * scalar tails); 0, or -1 where the build has no AVX-512 (nothing written). For tests. */
+int collage_probe_over_bc2s(const float *x, int64_t n, float b, float *out) {
+#if COLLAGE_AVX512
+    vcoeffs c;
+    c.bc2s = _mm512_set1_ps(b);
+    c.rbc2s = _mm512_set1_ps(1.0f / b);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(out + j, v_over_bc2s(&c, _mm512_loadu_ps(x + j)));
+    for (; j < n; j++) out[j] = x[j] / b;
+    return 0;
+#else
+    (void)x; (void)n; (void)b; (void)out;
+    return -1;
+#endif
+}
+
 /* hi[j], lo[j]: the canonical pair of x[j] by the residual landing (light and plus's
  * weight, plus's and split's second moment), as the kernels make it: with ``pairs``,
  * v_residual_pair2 on whole blocks of 32 (the 32-wide path); v_residual_pair on whole
