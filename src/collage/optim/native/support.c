@@ -48,8 +48,8 @@ int collage_stochastic_round(const float *x, int64_t n, int64_t first, int64_t k
 }
 
 /* out[j] = x[j] / b as the AVX-512 kernels divide by the bias correction's root
- * (v_over_bc2s, on whole vectors of 16; the tail by the IEEE division, as the kernels'
- * scalar tails); 0, or -1 where the build has no AVX-512 (nothing written). For tests. */
+ * (v_over_bc2s, on whole vectors of 16; the probe's last partial vector by the IEEE
+ * division); 0, or -1 where the build has no AVX-512 (nothing written). For tests. */
 int collage_probe_over_bc2s(const float *x, int64_t n, float b, float *out) {
 #if COLLAGE_AVX512
     vcoeffs c;
