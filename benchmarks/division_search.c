@@ -8,7 +8,8 @@
  *   cc -O2 -mavx512f -mfma benchmarks/division_search.c -o /tmp/division_search -lm
  *   /tmp/division_search 300000 0 2 & /tmp/division_search 300000 1 2   # two cores, ~4 min
  *
- * Arguments: K, this part, the number of parts (divisors d = part, part + parts, ...).
+ * Arguments: K, this part, the number of parts (divisors d = START + part, + parts, ...
+ * below K), START (default 0).
  * Result of 2026-12-05: docs/benchmarks/intel-xeon-2c_2026-12-05_division-search.txt. */
 #include <immintrin.h>
 #include <stdio.h>
@@ -21,6 +22,7 @@ typedef struct { double err; uint32_t bs; } cand;
 static int cmp(const void *x, const void *y){ double a=((cand*)x)->err, b=((cand*)y)->err; return a<b?1:a>b?-1:0; }
 int main(int argc, char **argv){
   long k = atol(argv[1]); int part = atoi(argv[2]), parts = atoi(argv[3]);
+  long start = argc > 4 ? atol(argv[4]) : 0; /* skip the first START of the K worst */
   cand *c = malloc(sizeof(cand) << 23);
   for (uint32_t s = 0; s < (1u<<23); s++) {
     uint32_t bs = 0x3F800000 | s; float b = f_of(bs); float y = 1.0f / b;
@@ -30,7 +32,7 @@ int main(int argc, char **argv){
   }
   qsort(c, 1u<<23, sizeof(cand), cmp);
   long bad_div = 0, bad_total = 0;
-  for (long d = part; d < k; d += parts) {
+  for (long d = start + part; d < k; d += parts) {
     float b = f_of(c[d].bs), y = 1.0f / b;
     __m512 vb = _mm512_set1_ps(b), vy = _mm512_set1_ps(y);
     long bad = 0; uint32_t first = 0;
@@ -43,5 +45,5 @@ int main(int argc, char **argv){
     }
     if (bad) { bad_div++; bad_total += bad; if (bad_div <= 5) printf("b=0x%08x err=%.6f ulp: %ld mismatches, first a=0x%08x\n", c[d].bs, c[d].err, bad, 0x3F800000 | first); }
   }
-  printf("part %d: the %ld worst reciprocals (errors %.6f..%.6f ulp): %ld divisors with mismatches, %ld mismatches\n", part, k, c[0].err, c[k-1].err, bad_div, bad_total);
+  printf("part %d: the worst reciprocals %ld to %ld (errors %.6f..%.6f ulp): %ld divisors with mismatches, %ld mismatches\n", part, start, k, c[start].err, c[k-1].err, bad_div, bad_total);
 }

@@ -117,10 +117,10 @@ typedef struct {
  * step divides, normal (the square root of a subnormal is not subnormal) over bc2s in
  * (0, 1] (the quotient neither overflows nor underflows), the corrected quotient is the
  * correctly rounded one for every significand of root that tests/optim/test_native_division.py
- * tries: all 2^23, for the divisors with the largest reciprocal errors (the 300,000 of
- * them within 0.018 ulp of half an ulp were checked once, offline, with all 2^23
- * dividends each: no difference), the all-ones and 1 + ulp significands and the bias
- * corrections of real runs. AdamW's square root and two divisions bound a step on CPUs
+ * tries: all 2^23, for the divisors with the largest reciprocal errors (the 1,000,000 of
+ * them, reciprocal errors 0.44-0.5 ulp, were checked once, offline, with all 2^23
+ * dividends each: no difference; benchmarks/division_search.c), the all-ones and 1 + ulp
+ * significands and the bias corrections of real runs. AdamW's square root and two divisions bound a step on CPUs
  * whose divider is slow (#31: 0.60 ns per element and core on a Xeon): this is one
  * division fewer, the same bits. */
 static inline __attribute__((always_inline)) __m512 v_over_bc2s(const vcoeffs *c,
