@@ -26,10 +26,6 @@ Usage: python benchmarks/grad_accum.py --out docs/benchmarks/NAME (writes NAME.j
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import platform
 import time
 
 import torch
@@ -40,6 +36,8 @@ from collage.train.build import initial_weights, prepare_model
 from collage.train.config import quick
 from collage.train.data import load_corpus, make_batches
 from collage.train.step import evaluate, token_loss
+
+import record  # benchmarks/record.py: this script's folder is on the path
 
 MICRO_BATCHES = (4, 16, 64)
 TWOSUM_SAMPLE = 1 << 14
@@ -171,25 +169,18 @@ def markdown(meta: dict, result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="path without extension")
+    parser = record.parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--hardware", default=platform.processor() or platform.machine())
     args = parser.parse_args()
     start = time.perf_counter()
     result = run(args.steps, args.micro_batch)
-    meta = {"date": datetime.date.today().isoformat(), "hardware": args.hardware,
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "steps": args.steps, "micro_batch": args.micro_batch,
-            "seconds": time.perf_counter() - start,
-            "command": "python benchmarks/grad_accum.py --out " + args.out
-                       + f" --steps {args.steps} --micro-batch {args.micro_batch}"}
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, **result}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(markdown(meta, result))
-    print(markdown(meta, result))
+    meta = record.metadata(
+        args.hardware, threads=torch.get_num_threads(), steps=args.steps,
+        micro_batch=args.micro_batch, seconds=time.perf_counter() - start,
+        command="python benchmarks/grad_accum.py --out " + args.out
+                + f" --steps {args.steps} --micro-batch {args.micro_batch}")
+    record.write(args.out, meta, result, markdown)
 
 
 if __name__ == "__main__":

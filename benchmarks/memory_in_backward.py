@@ -18,16 +18,13 @@ Usage: python benchmarks/memory_in_backward.py --out docs/benchmarks/NAME
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import platform
-
 import torch
 
 from collage.train.config import get_preset
 from collage.train.memory import bytes_per_param
 from collage.train.runner import train_strategy
+
+import record  # benchmarks/record.py: this script's folder is on the path
 
 RUNS = (("mixed", "mixed", False, "bf16"), ("plus", "plus", False, "bf16"),
         ("plus_in_backward", "plus", True, "none"))
@@ -76,23 +73,17 @@ def markdown(meta: dict, result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="path without extension")
+    parser = record.parser(__doc__.splitlines()[0])
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--n-layers", type=int, default=4)
-    parser.add_argument("--hardware", default=platform.processor() or platform.machine())
     args = parser.parse_args()
     torch.set_num_threads(1)
     result = measure(args.d_model, args.n_layers)
-    meta = {"date": datetime.date.today().isoformat(), "hardware": args.hardware,
-            "torch": torch.__version__, "d_model": args.d_model, "n_layers": args.n_layers,
-            "command": f"python benchmarks/memory_in_backward.py --out {args.out} "
-                       f"--d-model {args.d_model} --n-layers {args.n_layers}"}
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, **result}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(markdown(meta, result))
-    print(markdown(meta, result))
+    meta = record.metadata(
+        args.hardware, d_model=args.d_model, n_layers=args.n_layers,
+        command=f"python benchmarks/memory_in_backward.py --out {args.out} "
+                f"--d-model {args.d_model} --n-layers {args.n_layers}")
+    record.write(args.out, meta, result, markdown)
 
 
 if __name__ == "__main__":
