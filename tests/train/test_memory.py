@@ -184,6 +184,23 @@ def test_probe_replays_allocations_on_top_of_the_base():
     del a, c
 
 
+def test_probe_ignores_frees_of_tensors_from_before_the_window():
+    """A tensor allocated under an earlier probe (c10 then knows its size, so the profiler
+    reports its free) and freed inside a later window takes nothing off that window's live
+    bytes: 4 kB, the 4 MB leftover freed, then 8 kB gives a peak of 12 kB, not 4 kB."""
+    from collage.train.memory import TensorMemoryProbe
+
+    with TensorMemoryProbe(torch.device("cpu")):
+        leftover = torch.empty(1 << 20)
+    probe = TensorMemoryProbe(torch.device("cpu"))
+    with probe:
+        a = torch.empty(1000)
+        del leftover
+        b = torch.empty(2000)
+    assert probe.peak_bytes == 4000 + 8000
+    del a, b
+
+
 def test_probed_step_skips_measured_steps():
     from collage.train.runner import _memory_probe_step
 
