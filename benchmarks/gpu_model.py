@@ -268,12 +268,21 @@ def variants(default_only: bool = False, rules: tuple[str, ...] | None = None,
                 for variant, masked in (("whole", False), ("tail", True)):
                     out.append({"rule": rule_name, "strategy": name,
                                 "configuration": configuration, "variant": variant,
-                                "flags": {**flags, **launches.launch_flags(masked, True,
-                                                                           False)},
+                                "flags": {**flags, **_loop_flags(masked)},
                                 "bytes_per_element": int(strategy_bytes(strategy,
                                                                         rule).total),
                                 "grad_bytes": dtype.itemsize})
     return out
+
+
+def _loop_flags(masked: bool) -> dict:
+    """The launch flags a row compiles. ``whole``: the kernel as a bucket with whole blocks
+    and tails launches it (GPT-2's buckets: both loops in one launch), read on its first
+    loop, the whole blocks'; its registers are the launch's. ``tail``: the tails' loop
+    compiled alone (:func:`fast_path` reads a kernel's first loop). ``MASKED``: the same
+    variants of kernels from before whole blocks and tails shared a launch
+    (``--revision``)."""
+    return {**launches.launch_flags(not masked, True, True, False), "MASKED": masked}
 
 
 # ---------------------------------------------------------------------------------------
@@ -360,12 +369,8 @@ LAUNCH_HOST_S = 20e-6
 
 def _kernel_launches(size: str) -> int:
     """The kernels one ``launch.launch`` or ``launch.check`` call runs for a bucket of
-    ``size``'s tensors at their real sizes: one over the whole blocks where a tensor has
-    any, one over the tails where a tensor is not a multiple of the block (GPT-2 small:
-    both). (:func:`host_seconds` steps 4-element tensors: tails only.)"""
-    numels = [torch.Size(shape).numel() for _, shape in gpt_shapes(size)]
-    return (int(any(n >= launches.GPU_BLOCK for n in numels))
-            + int(any(n % launches.GPU_BLOCK for n in numels)))
+    ``size``'s tensors at their real sizes: one (whole blocks and tails share a launch)."""
+    return int(any(torch.Size(shape).numel() for _, shape in gpt_shapes(size)))
 
 
 def host_seconds_on_gpu(size: str, device: str = "cuda", repeats: int = 30
@@ -533,8 +538,7 @@ def check_rows(module: ModuleType, gpu: Gpu, n_1b: int, n_100m: int) -> list[Row
     elements_per_thread = launches.GPU_BLOCK / (32 * launches.GPU_WARPS)
     for dtype, label in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         for variant, masked in (("whole", False), ("tail", True)):
-            flags = {"W_KIND": layout.KINDS[dtype],
-                     **launches.launch_flags(masked, True, False)}
+            flags = {"W_KIND": layout.KINDS[dtype], **_loop_flags(masked)}
             sass = read_sass(compile_variant(function, flags, gpu.arch))
             opcodes = fast_path(sass)
             looped = len(opcodes) < len(sass.instructions)

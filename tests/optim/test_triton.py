@@ -214,6 +214,7 @@ def _planned_step_with(strategy: str, dtype: torch.dtype, where: int, value: flo
 @pytest.mark.parametrize(("where", "value"), [
     (0, float("inf")),  # the first element of a whole block
     (300, float("nan")),  # inside a block
+    (767, float("inf")),  # the last element of the last whole block
     (999, float("-inf")),  # the last element of a tail
     (1036, float("nan")),  # the last element of a tensor that is a tail only
     (500, 3.0e38),  # finite: the largest magnitudes (bf16's max is 3.39e38)
@@ -393,6 +394,49 @@ def test_stochastic_rounding_by_exponent_arithmetic_is_the_exact_division():
                                                          BLOCK=256)
         expected = rounding._stochastic_round_bf16(x, draw).view(torch.int16)
         assert torch.equal(out, expected)
+
+
+class _CountedKernels:
+    """The interpreted kernel module, each kernel call recorded as (kernel, WHOLE, TAILS)."""
+
+    def __init__(self, module, calls: list) -> None:
+        self.module, self.calls = module, calls
+
+    def __getattr__(self, name: str):
+        kernel = getattr(self.module, name)
+        calls = self.calls
+
+        class Counted:
+            def __getitem__(self, grid):
+                def run(*args, **kwargs):
+                    calls.append((name, kwargs["WHOLE"], kwargs["TAILS"]))
+                    return kernel[grid](*args, **kwargs)
+                return run
+        return Counted()
+
+
+@needs_triton
+def test_a_default_planned_step_is_two_kernel_calls(monkeypatch, ieee_sqrt):
+    """Issue #29: a bucket's whole blocks and tails share one launch (each a host cost on
+    a GPU): a default planned step over tensors with both (300 elements: a whole
+    interpreted block and a tail; the others tails only) is one check and one step kernel
+    call, and gives the foreach path's bits."""
+    calls = []
+    counted = _CountedKernels(launches.kernel_module(True), calls)
+    monkeypatch.setattr(launches, "kernel_module", lambda interpret: counted)
+    params, shadow = _params(torch.bfloat16), _params(torch.bfloat16)
+    opt = collage.AdamW(params, strategy="plus", fused="triton")
+    ref = collage.AdamW(shadow, strategy="plus", foreach=True)
+    for step in range(3):
+        for p, q in zip(params, shadow):
+            p.grad = torch.full_like(p, 0.01 * (step + 1))
+            q.grad = p.grad.clone()
+        calls.clear()
+        opt.step()
+        ref.step()
+    assert calls == [("nonfinite_check", True, True), ("multi_tensor_step", True, True)]
+    for p, q in zip(params, shadow):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16))
 
 
 @needs_triton

@@ -400,7 +400,7 @@ def _fetch(table, grads, blocks, i, RULE: tl.constexpr, LANDING: tl.constexpr,
     offs = block * BLOCK + tl.arange(0, BLOCK)
     # A size loaded from memory has no known divisibility, so a mask built from it varies
     # element by element and forbids vector loads: whole blocks run unmasked, in their own
-    # launch, and only the tails compare
+    # loop, and only the tails compare
     if MASKED:
         mask = offs < tl.load(row_base + C_NUMEL)
     else:
@@ -636,17 +636,18 @@ def _step_tile(tile, table, coefs, scale, k0, k1, k2, k3, k4, k5, k6, k7, step,
         _land_new(new, w_ptr, x_ptr, offs, mask, draw, LANDING, W_KIND, HW)
 
 
-@triton.jit(do_not_specialize=["step", "tiles"])
+@triton.jit(do_not_specialize=["step", "tiles", "whole"])
 def multi_tensor_step(
     table,  # int64 [rows, NCOL]: per tensor its columns' addresses, size, draws' counter
     grads,  # int64 [rows]: the address of each tensor's gradient
-    blocks,  # int32 [tiles, 2]: (row, block index in that row's tensor)
+    blocks,  # int32 [tiles, 2]: (row, block index in that row's tensor), whole blocks first
     coefs,  # float32 [rows, NCOEF]: per-row coefficients (CAPTURABLE), else unused
     scale,  # float32 [1]: GradScaler's scale (SCALED), else unused
     found,  # float32 [1]: nonzero skips the step, nothing written (SKIPPABLE), else unused
     k0, k1, k2, k3, k4, k5, k6, k7,  # float32 coefficients (``launch.COEFFICIENTS``)
     step,  # int: every row's step (not CAPTURABLE: then each row's counter)
     tiles,  # int: the number of (row, block) pairs in ``blocks``
+    whole,  # int: how many of them are whole blocks (the rest: tensors' last, partial ones)
     RULE: tl.constexpr,
     LANDING: tl.constexpr,
     W_KIND: tl.constexpr,  # the weight's (and gradient's) dtype
@@ -664,73 +665,94 @@ def multi_tensor_step(
     EMULATE_FMA: tl.constexpr,  # the interpreter: fma in float64 (``_fma_emulated``)
     HW: tl.constexpr,  # a GPU: hardware float32 -> bf16 conversions (``_bf16_bits``)
     SKIPPABLE: tl.constexpr,  # read ``found`` (the device's non-finite verdict)
-    MASKED: tl.constexpr,  # these tiles are their tensor's last, partial blocks
+    WHOLE: tl.constexpr,  # ``whole`` > 0: the unmasked loop is compiled
+    TAILS: tl.constexpr,  # ``tiles`` > ``whole``: the masked loop is compiled
     ALIGNED: tl.constexpr,  # every address is a multiple of 16 bytes
     BLOCK: tl.constexpr,
 ):
-    """Persistent programs: program ``p`` steps tiles ``p, p + P, p + 2P ...`` (``P``
-    programs). Over whole blocks it fetches each next tile (its loads issued) before it
-    computes the current one, so that a tile's memory traffic overlaps the previous tile's
-    arithmetic; the fetch past the last tile re-reads the last one (never out of range;
-    its values are dropped). With ``SKIPPABLE`` and a nonzero ``found`` no tile is stepped: every
-    weight and state is left as it was, with no host involved."""
+    """Persistent programs: program ``p`` steps whole blocks ``p, p + P, p + 2P ...`` (``P``
+    programs), then tails ``whole + p, whole + p + P ...``: one launch a bucket, whatever
+    its tensors' sizes (issue #29: each launch is host time). Over whole blocks it fetches
+    each next tile (its loads issued) before it computes the current one, so that a tile's
+    memory traffic overlaps the previous tile's arithmetic; a fetch past the last whole
+    block re-reads the last one (never out of range; its values are dropped). Tails are
+    masked, element by element (a size loaded from memory has no known divisibility, so a
+    mask built from it forbids vector loads), and fetched where computed, so that a thread
+    holds one tile's registers there, not two. With ``SKIPPABLE`` and a nonzero ``found``
+    no tile is stepped: every weight and state is left as it was, with no host involved."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    last_whole = whole
     count = tiles
     if SKIPPABLE:
-        count = tl.where(tl.load(found) != 0, 0, tiles)
-    if MASKED:
-        # tails: one per tensor, element by element; fetched where computed, so that a
-        # thread holds one tile's registers, not two
-        for i in range(pid, count, programs):
-            tile = _fetch(table, grads, blocks, i, RULE, LANDING, W_KIND, X_KIND, S_KIND,
-                          SLOW_PAIR, MOMENTUM, MASKED, ALIGNED, BLOCK)
-            _step_tile(tile, table, coefs, scale, k0, k1, k2, k3, k4, k5, k6, k7, step,
-                       RULE, LANDING, W_KIND, X_KIND, S_KIND, SLOW_PAIR, DECAY, SCALED,
-                       MAXIMIZE, CAPTURABLE, WEIGHT_DECAY, MOMENTUM, NESTEROV, HAS_SCALE,
-                       EMULATE_FMA, HW)
-    else:
-        tile = _fetch(table, grads, blocks, pid, RULE, LANDING, W_KIND, X_KIND, S_KIND,
-                      SLOW_PAIR, MOMENTUM, MASKED, ALIGNED, BLOCK)
-        for i in range(pid, count, programs):
-            following = _fetch(table, grads, blocks, tl.minimum(i + programs, tiles - 1),
+        skipped = tl.load(found) != 0
+        last_whole = tl.where(skipped, 0, whole)
+        count = tl.where(skipped, 0, tiles)
+    if WHOLE:
+        tile = _fetch(table, grads, blocks, tl.minimum(pid, whole - 1), RULE, LANDING,
+                      W_KIND, X_KIND, S_KIND, SLOW_PAIR, MOMENTUM, False, ALIGNED, BLOCK)
+        for i in range(pid, last_whole, programs):
+            following = _fetch(table, grads, blocks, tl.minimum(i + programs, whole - 1),
                                RULE, LANDING, W_KIND, X_KIND, S_KIND, SLOW_PAIR, MOMENTUM,
-                               MASKED, ALIGNED, BLOCK)
+                               False, ALIGNED, BLOCK)
             _step_tile(tile, table, coefs, scale, k0, k1, k2, k3, k4, k5, k6, k7, step,
                        RULE, LANDING, W_KIND, X_KIND, S_KIND, SLOW_PAIR, DECAY, SCALED,
                        MAXIMIZE, CAPTURABLE, WEIGHT_DECAY, MOMENTUM, NESTEROV, HAS_SCALE,
                        EMULATE_FMA, HW)
             tile = following
+    if TAILS:
+        for i in range(whole + pid, count, programs):
+            tile = _fetch(table, grads, blocks, i, RULE, LANDING, W_KIND, X_KIND, S_KIND,
+                          SLOW_PAIR, MOMENTUM, True, ALIGNED, BLOCK)
+            _step_tile(tile, table, coefs, scale, k0, k1, k2, k3, k4, k5, k6, k7, step,
+                       RULE, LANDING, W_KIND, X_KIND, S_KIND, SLOW_PAIR, DECAY, SCALED,
+                       MAXIMIZE, CAPTURABLE, WEIGHT_DECAY, MOMENTUM, NESTEROV, HAS_SCALE,
+                       EMULATE_FMA, HW)
 
 
-@triton.jit(do_not_specialize=["tiles"])
+@triton.jit
+def _tile_nonfinite(table, grads, blocks, i, W_KIND: tl.constexpr, MASKED: tl.constexpr,
+                    ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """1 where an element of tile ``i``'s gradient is inf or nan, else 0 (masked lanes
+    load 0: finite)."""
+    row = tl.load(blocks + 2 * i).to(tl.int64)
+    offs = tl.load(blocks + 2 * i + 1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if MASKED:
+        mask = offs < tl.load(table + row * NCOL + C_NUMEL)
+    else:
+        mask = tl.full([BLOCK], True, tl.int1)
+    g = _value(_raw(_pointer(grads + row, W_KIND, ALIGNED), offs, mask), W_KIND)
+    return tl.where(_finite(g), 0, 1)
+
+
+@triton.jit(do_not_specialize=["tiles", "whole"])
 def nonfinite_check(
     table,  # int64 [rows, NCOL]: the step's launch table (its numel column: tails)
     grads,  # int64 [rows]: the address of each tensor's gradient
-    blocks,  # int32 [tiles, 2]: (row, block index in that row's tensor)
+    blocks,  # int32 [tiles, 2]: (row, block index in that row's tensor), whole blocks first
     found,  # float32 [1]: raised to 1.0 where a gradient element is inf or nan
     tiles,  # int: the number of (row, block) pairs in ``blocks``
+    whole,  # int: how many of them are whole blocks
     W_KIND: tl.constexpr,  # the gradients' dtype
-    MASKED: tl.constexpr,  # these tiles are their tensor's last, partial blocks
+    WHOLE: tl.constexpr,  # ``whole`` > 0
+    TAILS: tl.constexpr,  # ``tiles`` > ``whole``
     ALIGNED: tl.constexpr,  # every address is a multiple of 16 bytes
     BLOCK: tl.constexpr,
 ):
     """The default non-finite check of a planned step, over the step's own tiles (issue
-    #29): ``found`` is raised to 1.0 where an element is inf or nan, never lowered (every
-    launch of the step raises the same verdict, zeroed before them), one atomic per
-    program. The host reads nothing and walks no tensor: the gradients' addresses are the
-    launch's table. Masked lanes load 0 (finite)."""
+    #29), in one launch (whole blocks unmasked, then tails masked): ``found`` is raised to
+    1.0 where an element is inf or nan, never lowered (every launch of the step raises the
+    same verdict, zeroed before them), one atomic per program. The host reads nothing and
+    walks no tensor: the gradients' addresses are the launch's table."""
     pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     bad = tl.full([BLOCK], 0, tl.int32)
-    for i in range(pid, tiles, tl.num_programs(0)):
-        row = tl.load(blocks + 2 * i).to(tl.int64)
-        offs = tl.load(blocks + 2 * i + 1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        if MASKED:
-            mask = offs < tl.load(table + row * NCOL + C_NUMEL)
-        else:
-            mask = tl.full([BLOCK], True, tl.int1)
-        g = _value(_raw(_pointer(grads + row, W_KIND, ALIGNED), offs, mask), W_KIND)
-        bad = bad | tl.where(_finite(g), 0, 1)
+    if WHOLE:
+        for i in range(pid, whole, programs):
+            bad = bad | _tile_nonfinite(table, grads, blocks, i, W_KIND, False, ALIGNED, BLOCK)
+    if TAILS:
+        for i in range(whole + pid, tiles, programs):
+            bad = bad | _tile_nonfinite(table, grads, blocks, i, W_KIND, True, ALIGNED, BLOCK)
     # a reduction by a combine function of this module (tl.max is a @jit helper of
     # triton.language.standard: see the module docstring)
     tl.atomic_max(found, tl.reduce(bad, 0, _either).to(tl.float32))

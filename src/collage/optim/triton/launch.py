@@ -133,23 +133,25 @@ def _row(group: GroupStep, entry: Entry, weight_keys: Sequence[str],
 
 @dataclass
 class Launch:
-    """One bucket's kernel launches, kept between steps: the table and the gradients'
-    addresses on the device, and the programs: ``whole`` blocks (unmasked) and each
-    tensor's last, partial block (``tails``, masked), each ``(row, block index)``.
-    ``aligned``: every address is a multiple of 16 bytes; ``signature``: every address
-    and size the table was built from (a change rebuilds it)."""
+    """One bucket's kernel launch, kept between steps: the table and the gradients'
+    addresses on the device, and the tiles (``blocks``, each ``(row, block index)``): the
+    tensors' ``whole`` blocks first (unmasked), then each tensor's last, partial block
+    (masked), all stepped by one launch. ``aligned``: every address is a multiple of 16
+    bytes; ``signature``: every address and size the table was built from (a change
+    rebuilds it)."""
 
     signature: tuple
     table: torch.Tensor
     grads: torch.Tensor
     grad_addresses: list[int]
-    whole: torch.Tensor
-    tails: torch.Tensor
+    blocks: torch.Tensor
+    whole: int
     aligned: bool
 
     @property
     def programs(self) -> int:
-        return self.whole.shape[0] + self.tails.shape[0]
+        """The tiles: whole blocks and tails."""
+        return self.blocks.shape[0]
 
 
 def _pinned(values: torch.Tensor) -> torch.Tensor:
@@ -166,8 +168,8 @@ def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _blocks(numels: Sequence[int], block: int, whole: bool) -> torch.Tensor:
-    """``(row, block index)`` of the programs that step each row's whole ``block``-element
-    blocks (``whole``), or its last, partial block (an empty tensor has neither)."""
+    """``(row, block index)`` of the tiles of each row's whole ``block``-element blocks
+    (``whole``), or of its last, partial block (an empty tensor has neither)."""
     if whole:
         counts = torch.tensor([n // block for n in numels], dtype=torch.int64)
     else:
@@ -178,6 +180,13 @@ def _blocks(numels: Sequence[int], block: int, whole: bool) -> torch.Tensor:
     if not whole:
         index = torch.tensor([n // block for n in numels], dtype=torch.int64)[rows]
     return torch.stack([rows, index], dim=1).to(torch.int32)
+
+
+def _tiles(numels: Sequence[int], block: int) -> tuple[torch.Tensor, int]:
+    """Every tile of the rows, whole blocks first, then the tails; and the whole blocks'
+    count."""
+    whole = _blocks(numels, block, True)
+    return torch.cat([whole, _blocks(numels, block, False)]), whole.shape[0]
 
 
 def _aligned(addresses: Sequence[int]) -> bool:
@@ -197,11 +206,10 @@ def build(group: GroupStep, entries: Sequence[Entry], capturable: bool,
     grad_addresses = [e.grad.data_ptr() for e in entries]
     addresses = [a for row in rows for a in row[layout.C_PARAM:layout.C_NUMEL]]
     numels = [e.numel for e in entries]
-    block = block_size(device)
+    blocks, whole = _tiles(numels, block_size(device))
     return Launch(signature, _to_device(torch.tensor(rows, dtype=torch.int64), device),
                   _to_device(torch.tensor(grad_addresses, dtype=torch.int64), device),
-                  grad_addresses, _to_device(_blocks(numels, block, True), device),
-                  _to_device(_blocks(numels, block, False), device),
+                  grad_addresses, _to_device(blocks, device), whole,
                   _aligned(addresses + grad_addresses))
 
 
@@ -292,10 +300,10 @@ def variant_flags(rule: Rule, strategy: Strategy, dtype: torch.dtype, *, decays:
     }
 
 
-def launch_flags(masked: bool, aligned: bool, interpreted: bool) -> dict:
-    """The launch's compile-time arguments: tails or whole blocks, the alignment hint, the
-    block size."""
-    return {"MASKED": masked, "ALIGNED": aligned,
+def launch_flags(whole: bool, tails: bool, aligned: bool, interpreted: bool) -> dict:
+    """The launch's compile-time arguments: whether it has whole blocks and tails (each
+    loop compiled only where it runs), the alignment hint, the block size."""
+    return {"WHOLE": whole, "TAILS": tails, "ALIGNED": aligned,
             "BLOCK": INTERPRETED_BLOCK if interpreted else GPU_BLOCK}
 
 
@@ -428,19 +436,16 @@ def programs(tiles: int, device: torch.device) -> int:
     return min(tiles, sms * PROGRAMS_PER_SM)
 
 
-def _each_kind_of_block(plan: Launch, run: Callable[[tuple, torch.Tensor, int, dict], None]
-                        ) -> None:
-    """``run(grid, blocks, tiles, flags)`` for the bucket's whole blocks (unmasked), then
-    its tails (masked), where it has any, on the launch's device: the two kernel calls of
-    a launch, whatever the number of tensors."""
+def _one_launch(plan: Launch, run: Callable[[tuple, dict], None]) -> None:
+    """``run(grid, flags)``: the launch's one kernel call over its whole blocks and tails,
+    on its device, where it has any tile."""
     device = plan.table.device
-    interpret = device.type == "cpu"
+    tiles = plan.programs
+    if not tiles:
+        return
     with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
-        for blocks, masked in ((plan.whole, False), (plan.tails, True)):
-            tiles = blocks.shape[0]
-            if tiles:
-                run((programs(tiles, device),), blocks, tiles,
-                    launch_flags(masked, plan.aligned, interpret))
+        run((programs(tiles, device),), launch_flags(plan.whole > 0, tiles > plan.whole,
+                                                     plan.aligned, device.type == "cpu"))
 
 
 def _options(device: torch.device, **compiled) -> dict:
@@ -451,26 +456,26 @@ def _options(device: torch.device, **compiled) -> dict:
 def launch(plan: Launch, flags: dict, arguments: Sequence[float], step: int,
            coefficients: torch.Tensor | None, scale: torch.Tensor | None,
            found: torch.Tensor | None = None) -> None:
-    """Run a bucket's step: its whole blocks unmasked, then its tails masked. ``found``:
-    the device's non-finite verdict (``flags["SKIPPABLE"]``): nonzero, the kernels write
-    nothing."""
+    """Run a bucket's step, one kernel launch: its whole blocks unmasked, then its tails
+    masked. ``found``: the device's non-finite verdict (``flags["SKIPPABLE"]``): nonzero,
+    the kernel writes nothing."""
     device = plan.table.device
     kernel = kernel_module(device.type == "cpu").multi_tensor_step
     spare = plan.table  # any pointer, for an argument the flags leave unread
     options = _options(device, enable_fp_fusion=False)
-    _each_kind_of_block(plan, lambda grid, blocks, tiles, kind: kernel[grid](
-        plan.table, plan.grads, blocks, spare if coefficients is None else coefficients,
+    _one_launch(plan, lambda grid, kind: kernel[grid](
+        plan.table, plan.grads, plan.blocks, spare if coefficients is None else coefficients,
         spare if scale is None else scale, spare if found is None else found, *arguments,
-        step, tiles, **flags, **kind, **options))
+        step, plan.programs, plan.whole, **flags, **kind, **options))
 
 
 def check(plan: Launch, dtype: torch.dtype, found: torch.Tensor) -> None:
     """Raise ``found`` (float32, zeroed before the step's first check) to 1 where a
     gradient of the bucket holds inf or nan (``kernels.nonfinite_check`` over the step's
-    own tiles: its whole blocks, then its tails), reading nothing on the host."""
+    own tiles, one launch: its whole blocks, then its tails), reading nothing on the host."""
     device = plan.table.device
     kernel = kernel_module(device.type == "cpu").nonfinite_check
     options = _options(device)
-    _each_kind_of_block(plan, lambda grid, blocks, tiles, kind: kernel[grid](
-        plan.table, plan.grads, blocks, found, tiles, W_KIND=layout.KINDS[dtype], **kind,
-        **options))
+    _one_launch(plan, lambda grid, kind: kernel[grid](
+        plan.table, plan.grads, plan.blocks, found, plan.programs, plan.whole,
+        W_KIND=layout.KINDS[dtype], **kind, **options))

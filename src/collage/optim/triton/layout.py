@@ -53,5 +53,5 @@ LANDINGS = frozenset(range(8))
 ARGUMENT_TYPES = {
     "table": "*i64", "grads": "*i64", "blocks": "*i32", "coefs": "*fp32", "scale": "*fp32",
     "found": "*fp32", **{f"k{j}": "fp32" for j in range(NCOEF)}, "step": "i32",
-    "tiles": "i32",
+    "tiles": "i32", "whole": "i32",
 }
