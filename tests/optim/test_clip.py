@@ -9,22 +9,29 @@ import pytest
 import torch
 
 import collage
-from collage.optim import base
+from collage.optim import base, dispatch
 
 from ._common import PATHS, assert_bitwise_equal, loss_of, make_mlp, snapshot
 
 
 @pytest.fixture
 def checks(monkeypatch) -> list[int]:
-    """Counts the non-finite checks (each reads every gradient) that steps run."""
+    """Counts the non-finite checks (each reads every gradient) that steps run, with the
+    gradients each reads: the check of gradient lists, and the one over native plans'
+    tables (a planned step's)."""
     calls: list[int] = []
-    original = base.nonfinite_flag
+    original, planned = base.nonfinite_flag, dispatch.nonfinite_native_plans
 
     def counted(grads, **options):
         calls.append(len(grads))
         return original(grads, **options)
 
+    def counted_plans(prepared):
+        calls.append(sum(len(p.plan_grads) for p in prepared if p is not None))
+        return planned(prepared)
+
     monkeypatch.setattr(base, "nonfinite_flag", counted)
+    monkeypatch.setattr(dispatch, "nonfinite_native_plans", counted_plans)
     return calls
 
 

@@ -334,11 +334,16 @@ class CollageOptimizer(Optimizer):
                  else UpdateStats() if self._measuring() else None)
         groups = [(index, self._group_step(index, group, items, stats))
                   for index, group, items in batches]
-        if not self._gradients_usable(batches, sharded, [step for _, step in groups]):
+        # every group on its native plan: prepared first (that creates nothing), so that
+        # the host's non-finite check reads the plans' tables, not every tensor again
+        planned = dispatch.prepare_native_plans([step for _, step in groups])
+        if not self._gradients_usable(batches, sharded, [step for _, step in groups],
+                                      planned):
             return loss
         # every group is checked before any is stepped: a mismatch changes nothing
-        prepared = [(group, dispatch.prepare(step))
-                    for (_, group, _), (_, step) in zip(batches, groups)]
+        prepared = [(group, dispatch.prepare(step) if planned is None else ready)
+                    for (_, group, _), (_, step), ready
+                    in zip(batches, groups, planned or itertools.repeat(None))]
         self._check_on_device(prepared)
         self._count_device_verdict([step for _, step in groups])
         # after every check (a refused step changes nothing), before any kernel: weights
@@ -622,11 +627,13 @@ class CollageOptimizer(Optimizer):
 
     # ----------------------------------------------------------------------- non-finite
 
-    def _gradients_usable(self, batches: list[Batch], sharded,
-                          groups: list[GroupStep]) -> bool:
+    def _gradients_usable(self, batches: list[Batch], sharded, groups: list[GroupStep],
+                          planned: list | None = None) -> bool:
         """Apply the GradScaler verdict and the non-finite policy: with one host sync, or,
         where every group's path reads it on the device (``dispatch.verdict_on_device``),
-        with none: the verdict goes to the groups and the kernels skip on it."""
+        with none: the verdict goes to the groups and the kernels skip on it. ``planned``:
+        every group prepared by its native plan (``dispatch.prepare_native_plans``), whose
+        tables the host's check then reads."""
         proof, self._finite_proof = self._finite_proof, None  # good for one step at most
         self._unchecked = None  # (a step that raised before making its verdict left one)
         found_inf = getattr(self, "found_inf", None)
@@ -638,6 +645,13 @@ class CollageOptimizer(Optimizer):
             return True
         if self.nonfinite == "ignore":
             return True
+        if planned is not None and proof is None and sharded is None:
+            # the plans proved every gradient a contiguous CPU tensor of their kernels'
+            # dtypes: the native check over their tables, no Python per tensor (#31)
+            if not dispatch.nonfinite_native_plans(planned):
+                return True
+            self._report_nonfinite(batches)
+            return False
         # a meta tensor holds no values to check (torch.optim steps meta parameters too)
         # is_meta, not device.type: a device object per tensor costs about 1 us (#31)
         grads = list(itertools.chain.from_iterable(map(_ITEM_GRAD, items)

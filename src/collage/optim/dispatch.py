@@ -32,6 +32,7 @@ kernel one by one, with the same arithmetic.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -135,6 +136,31 @@ def prepare(group: GroupStep) -> Prepared | None:
         return Prepared(group, "triton", plan_grads=grads)
     entries = entries_of(group)
     return Prepared(group, choose(group, entries[0].param.device), entries)
+
+
+def prepare_native_plans(groups: Sequence[GroupStep]) -> list[Prepared | None] | None:
+    """What :func:`prepare` gives every group (None for an empty one) if each group with
+    items has a native plan that still describes it (``native_path.planned``), and one
+    does; else None. Creates nothing (a plan no longer ready is dropped, as
+    :func:`prepare` drops it), so the step's non-finite verdict can be made after it, by
+    the plans (:func:`nonfinite_native_plans`), on the tables they checked."""
+    out: list[Prepared | None] = []
+    for group in groups:
+        if not group.items:
+            out.append(None)
+            continue
+        grads = native_path.planned(group)
+        if grads is None:
+            return None
+        out.append(Prepared(group, "native", plan_grads=grads))
+    return out if any(out) else None
+
+
+def nonfinite_native_plans(prepared: Sequence[Prepared | None]) -> bool:
+    """Whether a gradient of the groups :func:`prepare_native_plans` prepared holds inf or
+    nan (each plan's one C pass over its table)."""
+    return any(native_path.nonfinite_planned(p.group, p.plan_grads)
+               for p in prepared if p is not None)
 
 
 def checks_planned(prepared: Prepared) -> bool:

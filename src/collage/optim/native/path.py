@@ -11,7 +11,7 @@ from ..group import Entry, GroupStep, advance_steps
 from . import calls
 from .plan import NativePlan
 
-__all__ = ["planned", "step_planned", "native_entries", "step_native"]
+__all__ = ["planned", "nonfinite_planned", "step_planned", "native_entries", "step_native"]
 
 _PLAN = "native_plan"
 
@@ -25,6 +25,12 @@ def planned(group: GroupStep) -> array | None:
     if grads is None:
         group.cache.pop(_PLAN, None)
     return grads
+
+
+def nonfinite_planned(group: GroupStep, grads: array) -> bool:
+    """Whether a gradient at :func:`planned`'s pointers holds inf or nan (``NativePlan
+    .nonfinite``)."""
+    return group.cache[_PLAN].nonfinite(grads)
 
 
 def step_planned(group: GroupStep, grads: array) -> bool:

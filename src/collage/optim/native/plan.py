@@ -62,7 +62,7 @@ class NativePlan:
     the next step or returns False having changed nothing."""
 
     __slots__ = ("lib", "strategy", "flags", "tensors", "table", "counters", "step_value",
-                 "grad_dtype", "key_states", "key_of")
+                 "grad_dtype", "key_states", "key_of", "spans")
 
     def __init__(self) -> None:  # use build()
         self.step_value = 0
@@ -96,6 +96,10 @@ class NativePlan:
             plan.key_of = (group.seed, positions)
         plan.tensors = PlanTable([entry.item for entry in entries], keys)
         plan.table = array("q", rows)
+        # (gradient address, size) per row, for the non-finite check: the sizes kept, the
+        # addresses written each step
+        plan.spans = array("q", [0, 0] * len(entries))
+        plan.spans[1::2] = plan.table[0::calls.TABLE_COLUMNS]
         plan.counters = array("q", counters)
         plan.step_value = first.step
         plan.grad_dtype = first.grad.dtype
@@ -112,6 +116,17 @@ class NativePlan:
             return None  # a new seed or parameter order: new key states
         grads = self.tensors.gradients(items)
         return None if grads is None else array("q", map(torch.Tensor.data_ptr, grads))
+
+    def nonfinite(self, grads: array) -> bool:
+        """Whether a gradient at the pointers :meth:`ready` returned holds inf or nan: the
+        native check (``calls.any_nonfinite``'s C pass) over the plan's own table, whose
+        checks already proved every gradient a contiguous CPU tensor of the plan's dtype
+        and its parameter's size; no Python per tensor (#31: a small model's step is mostly
+        per-tensor costs)."""
+        self.spans[0::2] = grads
+        return bool(self.lib.collage_nonfinite(int(self.grad_dtype == torch.float32),
+                                               len(grads), self.spans.buffer_info()[0],
+                                               torch.get_num_threads()))
 
     def step(self, group: GroupStep, grads: array) -> bool:
         """Step the group with the gradient pointers :meth:`ready` returned; False (nothing
