@@ -272,3 +272,60 @@ def test_a_flag_set_mid_run_leaves_the_plan(flags: dict, path: str) -> None:
             assert opt.last_paths == {0: "native" if step < 2 else path}
         runs.append((params, opt))
     _assert_same(*runs[0], *runs[1])
+
+
+@pytest.mark.parametrize(("where", "value"), [(0, float("nan")), (2, float("inf")),
+                                              (2, float("-inf")), (None, None)])
+@pytest.mark.parametrize("strategy", ["bf16", "plus", "fp32"])
+def test_the_default_check_of_planned_groups_reads_their_tables(strategy, where, value,
+                                                               monkeypatch) -> None:
+    """#31: where every group of a step has its plan ready, the default check is each
+    plan's C pass over its own table (``NativePlan.nonfinite``), not the gradient lists'
+    (``base.nonfinite_flag``, refused here): a non-finite element in any group's last
+    element (tensor ``where``) skips the whole step (every weight and state bitwise
+    unchanged, one skip counted, the parameter named); finite gradients step as the
+    general path does, bit for bit."""
+    from collage.optim import base
+
+    def groups(params):
+        return [{"params": params[:2], "weight_decay": 0.0},
+                {"params": params[2:], "weight_decay": 0.1}]
+
+    params, twins = _model(strategy), _model(strategy)
+    opt = collage.AdamW(groups(params), lr=1e-2, strategy=strategy)
+    monkeypatch.setattr(NativePlan, "build", _NO_PLAN)
+    ref = collage.AdamW(groups(twins), lr=1e-2, strategy=strategy)
+    monkeypatch.setattr(NativePlan, "build", _BUILD)
+    for step in range(2):  # the first step makes the plans
+        for p, q, g in zip(params, twins, _grads(params, step)):
+            p.grad, q.grad = g, g.clone()
+        opt.step()
+        ref.step()
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a planned step listed its gradients for the check")
+
+    monkeypatch.setattr(base, "nonfinite_flag", refused)
+    for p, q, g in zip(params, twins, _grads(params, 2)):
+        p.grad, q.grad = g, g.clone()
+    if where is not None:
+        params[where].grad.view(-1)[-1] = value
+    before = [bits(p) for p in params], copy.deepcopy(opt.state_dict())
+    if where is None:
+        opt.step()
+        monkeypatch.undo()  # the twin has no plan: its check lists the gradients
+        ref.step()
+        assert opt.skipped_steps == 0
+        for p, q in zip(params, twins):
+            assert torch.equal(bits(p), bits(q))
+        return
+    with pytest.warns(RuntimeWarning, match="non-finite") as caught:
+        opt.step()
+    name = "group0.param0" if where == 0 else "group1.param0"  # the unnamed parameters'
+    assert any(name in str(w.message) for w in caught)
+    assert opt.skipped_steps == 1
+    assert all(torch.equal(a, bits(p)) for a, p in zip(before[0], params))
+    after = opt.state_dict()
+    for index, state in before[1]["state"].items():
+        for key, tensor in state.items():
+            assert torch.equal(bits(tensor), bits(after["state"][index][key])), (index, key)
