@@ -420,7 +420,8 @@ class TensorMemoryProbe:
         """Live bytes after each allocation event, in time order; peaks overall and inside
         each section's time ranges (a section starts at the live bytes it opens with)."""
         events = list(_profiled_events(results.experimental_event_tree()))
-        timeline = [(e.start_time_ns, 1, nbytes, "") for e, nbytes in _window_allocations(events)]
+        timeline = [(e.start_time_ns, 1, nbytes, "")
+                    for e, nbytes in _window_allocations(events)]
         for e in events:
             if e.name.startswith(_SECTION_PREFIX):
                 name = e.name[len(_SECTION_PREFIX):]
