@@ -5,8 +5,9 @@ One collage AdamW per strategy (fused path) on ``collage bench optimizer``'s GPT
 parameters; after warm-up its ``nonfinite`` is switched between ``"skip"`` and ``"ignore"``
 every step (the order alternating each round), so both are timed on the same tensors, the
 same native plan and the same machine load. Per strategy: the median step time of each, the
-median of the per-round differences, and the check's own call (``any_nonfinite``, timed
-inside the step) with the read bandwidth it reached on the gradients' 2 bytes per parameter.
+median of the per-round differences, and the check's own call (a planned group's
+``NativePlan.nonfinite``, else ``any_nonfinite``, timed inside the step) with the read
+bandwidth it reached on the gradients' 2 bytes per parameter.
 
     python benchmarks/check_cost.py --size 16m --rounds 15
     python benchmarks/check_cost.py --size 100m --strategies light,plus,kahan,bf16 --rounds 9
@@ -19,9 +20,11 @@ another build of it (an earlier version's, from ``~/.cache/collage/native``), in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -31,19 +34,32 @@ import collage.optim.nonfinite as nonfinite_module
 from collage.bench.common import SIZES, gpt_shapes, n_params
 from collage.bench.measure import make_params
 from collage.optim import get_strategy
+from collage.optim.native.plan import NativePlan
 
 
-def _timed_check(record: list[float]):
-    """``any_nonfinite`` as the step calls it, timed into ``record``."""
-    check = nonfinite_module.any_nonfinite
-
-    def timed(grads):
+def _timed(function, record: list[float]):
+    """``function``, each call timed into ``record``."""
+    def timed(*args):
         start = time.perf_counter()
-        verdict = check(grads)
+        verdict = function(*args)
         record.append(time.perf_counter() - start)
         return verdict
 
-    return check, timed
+    return timed
+
+
+@contextlib.contextmanager
+def _timed_checks(record: list[float]) -> Iterator[None]:
+    """The check as the step calls it, timed into ``record``: a planned group's
+    (``NativePlan.nonfinite``, over the plan's table) or the gradient list's
+    (``any_nonfinite``); both put back after."""
+    check, planned = nonfinite_module.any_nonfinite, NativePlan.nonfinite
+    nonfinite_module.any_nonfinite = _timed(check, record)
+    NativePlan.nonfinite = _timed(planned, record)
+    try:
+        yield
+    finally:
+        nonfinite_module.any_nonfinite, NativePlan.nonfinite = check, planned
 
 
 def measure(size: str, strategy: str, rounds: int) -> dict:
@@ -54,17 +70,13 @@ def measure(size: str, strategy: str, rounds: int) -> dict:
     opt.step()
     times: dict[str, list[float]] = {"skip": [], "ignore": []}
     checks: list[float] = []
-    check, timed = _timed_check(checks)
-    nonfinite_module.any_nonfinite = timed
-    try:
+    with _timed_checks(checks):
         for r in range(rounds):
             for policy in ("skip", "ignore") if r % 2 == 0 else ("ignore", "skip"):
                 opt.nonfinite = policy
                 start = time.perf_counter()
                 opt.step()
                 times[policy].append(time.perf_counter() - start)
-    finally:
-        nonfinite_module.any_nonfinite = check
     n = n_params(size)
     out = {"strategy": strategy, "path": "+".join(dict.fromkeys(opt.last_paths.values())),
            "skip_ms": 1e3 * statistics.median(times["skip"]),

@@ -10,6 +10,7 @@ import pytest
 
 from collage.optim import native
 from collage.optim import nonfinite as nonfinite_module
+from collage.optim.native.plan import NativePlan
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "check_cost.py"
 
@@ -19,8 +20,8 @@ def test_check_runs_on_the_skip_steps_only() -> None:
     spec = importlib.util.spec_from_file_location("check_cost", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    check = nonfinite_module.any_nonfinite
+    check, planned = nonfinite_module.any_nonfinite, NativePlan.nonfinite
     row = module.measure("small", "plus", rounds=3)
-    assert nonfinite_module.any_nonfinite is check
+    assert nonfinite_module.any_nonfinite is check and NativePlan.nonfinite is planned
     assert row["path"] == "native" and row["check_calls"] == 3
     assert row["skip_ms"] > 0 and row["ignore_ms"] > 0 and row["check_ms"] > 0
