@@ -239,6 +239,35 @@ def test_hyperparameters_are_checked_when_they_change():
     assert_bitwise_equal(before, snapshot(model, opt))
 
 
+def test_a_scheduled_learning_rate_checks_the_settings_not_every_parameter(monkeypatch):
+    """#31: a scheduler sets a new learning rate every step. The group's settings are
+    validated again (a bad value still refuses the step, nothing changed); its parameters,
+    the same ones for the same strategy, are not checked one by one again. A new strategy
+    checks every parameter again."""
+    from collage.optim import base
+
+    model, opt = _trained("plus")
+    checked = []
+    real = base._check_parameter
+    monkeypatch.setattr(base, "_check_parameter",
+                        lambda name, *a, **k: checked.append(name) or real(name, *a, **k))
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)
+    for step in range(3):
+        train_step(model, opt, 2 + step)
+        scheduler.step()
+    assert checked == []  # three new learning rates, the parameters not checked again
+    opt.param_groups[0]["lr"] = -1.0
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match="lr"):
+        train_step(model, opt, 6)
+    assert_bitwise_equal(before, snapshot(model, opt))
+    opt.param_groups[0]["lr"] = 1e-3
+    opt.param_groups[0]["strategy"] = "bf16"
+    train_step(model, opt, 7)
+    # each checked for the new strategy (when it is validated and when states convert)
+    assert set(checked) == {name for name, _ in model.named_parameters()}
+
+
 # ----------------------------------------------------------------------------------------
 # torch.optim's keywords; the full-precision state; the clipping proof
 

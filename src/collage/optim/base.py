@@ -231,7 +231,12 @@ class CollageOptimizer(Optimizer):
             book = self._books[id(group)]
             key = _hyper_key(group)
             if book.hyper != key:
-                self._validate_group(group, index)
+                if _parameters_checked_as(book.hyper, group):
+                    # a learning rate schedule's every step: the parameters (the same
+                    # ones: _check_membership) were checked for this strategy already
+                    self._validate_settings(group)
+                else:
+                    self._validate_group(group, index)
                 book.checked(key)
 
     def _check_membership(self) -> None:
@@ -930,6 +935,16 @@ def _check_parameter(name: str, param, *, differentiable: bool) -> None:
     if not differentiable and not (param.is_leaf or param.retains_grad):
         raise ValueError(f"parameter {name!r} is not a leaf tensor: an optimizer cannot "
                          "step it (torch.optim: \"can't optimize a non-leaf Tensor\")")
+
+
+def _parameters_checked_as(hyper: tuple, group: dict) -> bool:
+    """Whether a group last validated with the ``_hyper_key`` ``hyper`` had its parameters
+    checked for what ``group`` now asks of them: the same strategy (the weights' dtypes)
+    and ``differentiable`` flag (leaves only). Then a change of other hyperparameters
+    needs no per-parameter check (#31: a scheduler changes the learning rate every step)."""
+    old = dict(hyper)
+    return (old.get("strategy") == group["strategy"]
+            and old.get("differentiable", False) == group.get("differentiable", False))
 
 
 def _same_tensors(a: list, b: list) -> bool:
