@@ -457,7 +457,7 @@ def test_one_launch_steps_every_tensor_and_the_table_is_kept(monkeypatch, ieee_s
         opt.step()
     assert len(seen) == 3 and seen[0] is seen[1] is seen[2]  # one launch a step, one table
     assert seen[0].table.shape[0] == len(SHAPES)
-    assert seen[0].programs == sum(-(-p.numel() // launches.INTERPRETED_BLOCK) for p in params)
+    assert seen[0].tiles == sum(-(-p.numel() // launches.INTERPRETED_BLOCK) for p in params)
     shadow = _params(torch.bfloat16)
     ref = collage.AdamW(shadow, strategy="plus", foreach=True, nonfinite="ignore")
     for step in range(3):

@@ -24,7 +24,8 @@ from ..metrics import UpdateStats
 from . import convert, dispatch, state_io
 from .backward import Cycle, GradSums, HookSet, check_keywords, refuse_data_parallel
 from .edits import WriteLog, hides_weight, rederive
-from .group import PLAIN_TENSORS, GroupStep, Item, check_gradient, local, make_item
+from .group import (ITEM_GRAD, ITEM_PARAM, PLAIN_TENSORS, GroupStep, Item, check_gradient,
+                    local, make_item)
 from .nonfinite import FiniteProof, all_ranks_max, nonfinite_flag, shard_group
 from .rules import Rule, plain_numbers
 from .strategies import check_weight, get_strategy
@@ -329,7 +330,7 @@ class CollageOptimizer(Optimizer):
         self._check_groups()
         self._convert_strategies()  # before gathering: the items hold the states
         batches = self._gather()
-        sharded = shard_group(itertools.chain.from_iterable(map(_ITEM_PARAM, items)
+        sharded = shard_group(itertools.chain.from_iterable(map(ITEM_PARAM, items)
                                                             for _, _, items in batches))
         if cycle is not None:
             cycle.refuse_regrown((item.name, item.param) for _, _, items in batches
@@ -337,20 +338,19 @@ class CollageOptimizer(Optimizer):
             self._report_skipped(cycle)
         stats = (cycle.stats if cycle is not None
                  else UpdateStats() if self._measuring() else None)
-        groups = [(index, self._group_step(index, group, items, stats))
-                  for index, group, items in batches]
+        steps = [self._group_step(index, group, items, stats)
+                 for index, group, items in batches]
         # every group on its native plan: prepared first (that creates nothing), so that
         # the host's non-finite check reads the plans' tables, not every tensor again
-        planned = dispatch.prepare_native_plans([step for _, step in groups])
-        if not self._gradients_usable(batches, sharded, [step for _, step in groups],
-                                      planned):
+        planned = dispatch.prepare_native_plans(steps)
+        if not self._gradients_usable(batches, sharded, steps, planned):
             return loss
         # every group is checked before any is stepped: a mismatch changes nothing
         prepared = [(group, dispatch.prepare(step) if planned is None else ready)
-                    for (_, group, _), (_, step), ready
-                    in zip(batches, groups, planned or itertools.repeat(None))]
+                    for (_, group, _), step, ready
+                    in zip(batches, steps, planned or itertools.repeat(None))]
         self._check_on_device(prepared)
-        self._count_device_verdict([step for _, step in groups])
+        self._count_device_verdict(steps)
         # after every check (a refused step changes nothing), before any kernel: weights
         # written since our last step are the ones the step starts from (edits.py)
         rederived = self._rederive_edits(batches, prepared)
@@ -659,7 +659,7 @@ class CollageOptimizer(Optimizer):
             return False
         # a meta tensor holds no values to check (torch.optim steps meta parameters too)
         # is_meta, not device.type: a device object per tensor costs about 1 us (#31)
-        grads = list(itertools.chain.from_iterable(map(_ITEM_GRAD, items)
+        grads = list(itertools.chain.from_iterable(map(ITEM_GRAD, items)
                                                    for _, _, items in batches))
         if any(map(_IS_META, grads)):
             grads = [grad for grad in grads if not grad.is_meta]
@@ -999,5 +999,3 @@ def _generated_names(index: int, start: int, stop: int) -> tuple[str, ...]:
 _GRAD = operator.attrgetter("grad")
 _LAYOUT = operator.attrgetter("layout")
 _IS_META = operator.attrgetter("is_meta")
-_ITEM_PARAM = operator.itemgetter(1)  # an Item's fields: name, param, grad, ...
-_ITEM_GRAD = operator.itemgetter(2)

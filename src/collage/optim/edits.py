@@ -34,7 +34,7 @@ from operator import attrgetter, itemgetter
 
 import torch
 
-from .group import PLAIN_TENSORS, Item, local
+from .group import ITEM_PARAM, PLAIN_TENSORS, Item, local
 from .strategies import Strategy
 
 __all__ = ["WriteLog", "hides_weight", "rederive"]
@@ -44,7 +44,6 @@ _HIDDEN_ROLES = frozenset({"master", "low", "compensation"})
 
 Mark = tuple[int, int]
 
-_PARAM = itemgetter(1)  # an Item's fields: name, param, grad, ...
 _VERSION = attrgetter("_version")
 _VERSION_OF_MARK = itemgetter(0)
 
@@ -127,7 +126,7 @@ class WriteLog:
         """Whether every item's parameter is a plain tensor with a recorded mark whose
         version counter it still has: nothing to re-derive, where the pointers are known
         to be the recorded ones. Passes in C (a step's common case: nothing edited)."""
-        params = list(map(_PARAM, items))
+        params = list(map(ITEM_PARAM, items))
         if not set(map(type, params)) <= PLAIN_TENSORS:
             return False
         marks = list(map(self._left.get, map(id, params)))

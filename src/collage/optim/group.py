@@ -9,6 +9,7 @@ The paths (``eager``, ``compiled``, ``native``) see nothing else: never the opti
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,8 @@ from . import draws as keyed
 from .rules import Rule
 from .strategies import Strategy, check_weight
 
-__all__ = ["Item", "make_item", "PLAIN_TENSORS", "GroupStep", "Entry", "local", "entries_of", "check_item", "check_gradient",
+__all__ = ["Item", "make_item", "ITEM_PARAM", "ITEM_GRAD", "ITEM_STATE", "ITEM_POSITION",
+           "PLAIN_TENSORS", "GroupStep", "Entry", "local", "entries_of", "check_item", "check_gradient",
            "advance_steps",
            "prepare_grad", "component_slice", "draw_key_at"]
 
@@ -60,6 +62,12 @@ class Item(NamedTuple):
 #: the tuple of all its fields, without the named tuple's Python-level ``__new__`` (a
 #: Python frame per item: half of the time of gathering a step's items)
 make_item = functools.partial(tuple.__new__, Item)
+
+#: an :class:`Item`'s fields as getters that run in C (``map(ITEM_GRAD, items)``: passes
+#: over a step's items without a Python frame per item), at their places in the tuple
+ITEM_PARAM, ITEM_GRAD, ITEM_STATE, ITEM_POSITION = (
+    operator.itemgetter(Item._fields.index(name))
+    for name in ("param", "grad", "state", "position"))
 
 
 def _warn(message: str) -> None:

@@ -23,11 +23,10 @@ from operator import attrgetter, is_, itemgetter
 
 import torch
 
+from .group import ITEM_GRAD, ITEM_PARAM, ITEM_STATE
+
 __all__ = ["PlanTable"]
 
-_PARAM = itemgetter(1)  # an Item's fields: name, param, grad, state, ...
-_GRAD = itemgetter(2)
-_STATE = itemgetter(3)
 _DTYPE = attrgetter("dtype")
 _SHAPE = attrgetter("shape")
 _DATA_PTR = torch.Tensor.data_ptr
@@ -44,8 +43,8 @@ class PlanTable:
     def __init__(self, items: Sequence, keys: Sequence[str]) -> None:
         """``items``: the group's items (``group.Item``) the plan was built from, each
         parameter's state holding a tensor at every one of ``keys``."""
-        self.params = list(map(_PARAM, items))
-        self.states = list(map(_STATE, items))
+        self.params = list(map(ITEM_PARAM, items))
+        self.states = list(map(ITEM_STATE, items))
         self.getters = [itemgetter(key) for key in keys]
         self.param_pointers = list(map(_DATA_PTR, self.params))
         self.state_pointers = self._state_pointers(self.states)
@@ -64,13 +63,13 @@ class PlanTable:
         shape; else None. Changes nothing. (The gradient's device is its parameter's:
         torch refuses any other, in ``.grad``'s setter and in autograd, and a parameter
         moved to another device has another address.)"""
-        params = list(map(_PARAM, items))
+        params = list(map(ITEM_PARAM, items))
         if len(params) != len(self.params):
             return None
         if not (all(map(is_, params, self.params))
-                and all(map(is_, map(_STATE, items), self.states))):
+                and all(map(is_, map(ITEM_STATE, items), self.states))):
             return None
-        grads = list(map(_GRAD, items))
+        grads = list(map(ITEM_GRAD, items))
         if (list(map(_DTYPE, grads)) != self.dtypes or list(map(_SHAPE, grads)) != self.shapes
                 or not all(map(_CONTIGUOUS, grads)) or not all(map(_CONTIGUOUS, params))):
             return None

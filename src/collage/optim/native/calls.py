@@ -53,8 +53,9 @@ from ..strategies import Strategy
 from .build import info, load, loaded
 
 __all__ = ["covers", "row_layout", "row_tensors", "adamw", "table_row", "arguments",
-           "call_threads", "advance_steps", "any_nonfinite", "TABLE_COLUMNS",
-           "COLUMN_GRAD", "COLUMN_KEY0", "COLUMN_KEY1", "FIELDS_COUNT"]
+           "call_threads", "advance_steps", "any_nonfinite", "spans_nonfinite",
+           "TABLE_COLUMNS", "COLUMN_NUMEL", "COLUMN_GRAD", "COLUMN_KEY0", "COLUMN_KEY1",
+           "FIELDS_COUNT"]
 
 # flags of collage_adamw (native.h: F_*)
 _LERP_SMALL, _DECAY, _SCALED, _MAXIMIZE, _GRAD_FP32 = 1, 2, 4, 8, 16
@@ -63,7 +64,7 @@ _MIN_CHUNK = 1 << 16
 # int64 columns of a table row (native.h: T_COLS): elements, weight, gradient, exp_avg,
 # exp_avg_sq, exp_avg_sq_lo, extra, first index, key0, key1 (see table_row)
 TABLE_COLUMNS = 10
-COLUMN_GRAD, COLUMN_KEY0, COLUMN_KEY1 = 2, 8, 9
+COLUMN_NUMEL, COLUMN_GRAD, COLUMN_KEY0, COLUMN_KEY1 = 0, 2, 8, 9
 # the lost-update sums of one tensor (len(collage.metrics.FIELDS); native.h: M_COUNT)
 FIELDS_COUNT = 11
 
@@ -264,11 +265,17 @@ def any_nonfinite(tensors: Sequence[torch.Tensor], threads: int | None = None,
             table = list(compress(pairs, [d is dtype for d in dtypes]))
         if not table:
             continue
-        flat = array("q", chain.from_iterable(table))
-        if lib.collage_nonfinite(int(dtype == torch.float32), len(table),
-                                 flat.buffer_info()[0], threads):
+        if spans_nonfinite(lib, dtype, array("q", chain.from_iterable(table)), threads):
             return True
     return False
+
+
+def spans_nonfinite(lib, dtype: torch.dtype, spans: array, threads: int) -> bool:
+    """Whether an element of the memory ``spans`` (int64 ``address, size`` pairs, of
+    contiguous ``dtype`` elements: bfloat16 or float32) is inf or nan: the native check's C
+    pass, on up to ``threads`` threads."""
+    return bool(lib.collage_nonfinite(int(dtype == torch.float32), len(spans) // 2,
+                                      spans.buffer_info()[0], threads))
 
 
 _IS_CPU = attrgetter("is_cpu")

@@ -39,12 +39,11 @@ which ``load_state_dict`` empties (the old tensors are freed at once).
 from __future__ import annotations
 
 from array import array
-from operator import itemgetter
 
 import torch
 
 from ..draws import MIX_START, mix_state
-from ..group import Entry, GroupStep
+from ..group import ITEM_POSITION, Entry, GroupStep
 from ..plan_table import PlanTable
 from . import calls
 from .build import loaded
@@ -99,7 +98,7 @@ class NativePlan:
         # (gradient address, size) per row, for the non-finite check: the sizes kept, the
         # addresses written each step
         plan.spans = array("q", [0, 0] * len(entries))
-        plan.spans[1::2] = plan.table[0::calls.TABLE_COLUMNS]
+        plan.spans[1::2] = plan.table[calls.COLUMN_NUMEL::calls.TABLE_COLUMNS]
         plan.counters = array("q", counters)
         plan.step_value = first.step
         plan.grad_dtype = first.grad.dtype
@@ -119,14 +118,13 @@ class NativePlan:
 
     def nonfinite(self, grads: array) -> bool:
         """Whether a gradient at the pointers :meth:`ready` returned holds inf or nan: the
-        native check (``calls.any_nonfinite``'s C pass) over the plan's own table, whose
+        native check's C pass (``calls.spans_nonfinite``) over the plan's own table, whose
         checks already proved every gradient a contiguous CPU tensor of the plan's dtype
         and its parameter's size; no Python per tensor (#31: a small model's step is mostly
         per-tensor costs)."""
         self.spans[0::2] = grads
-        return bool(self.lib.collage_nonfinite(int(self.grad_dtype == torch.float32),
-                                               len(grads), self.spans.buffer_info()[0],
-                                               torch.get_num_threads()))
+        return calls.spans_nonfinite(self.lib, self.grad_dtype, self.spans,
+                                     torch.get_num_threads())
 
     def step(self, group: GroupStep, grads: array) -> bool:
         """Step the group with the gradient pointers :meth:`ready` returned; False (nothing
@@ -148,10 +146,8 @@ class NativePlan:
 
 def _positions(items) -> tuple[int, ...]:
     """The items' parameter positions (one pass in C: this runs every step)."""
-    return tuple(map(_POSITION, items))
+    return tuple(map(ITEM_POSITION, items))
 
-
-_POSITION = itemgetter(4)  # an Item's fields: name, param, grad, state, position, ...
 
 
 def _flags(group: GroupStep) -> tuple:

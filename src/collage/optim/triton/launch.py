@@ -21,7 +21,7 @@ import math
 import operator
 import os
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +42,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
 __all__ = ["triton", "GPU_BLOCK", "GPU_WARPS", "INTERPRETED_BLOCK", "interpreting",
-           "kernel_module", "block_size", "Launch", "build", "signature_of", "refresh_grads",
-           "grad_scale", "kernel_flags", "variant_flags", "launch_flags", "programs",
+           "kernel_module", "block_size", "Launch", "build", "on_16_bytes", "signature_of",
+           "refresh_grads", "grad_scale", "kernel_flags", "variant_flags", "launch_flags", "programs",
            "step_arguments", "decays", "DeviceCoefficients", "device_coefficients", "check",
            "capturable_decays", "counter_vector", "gather_counters", "advance_counters",
            "launch"]
@@ -149,8 +149,8 @@ class Launch:
     aligned: bool
 
     @property
-    def programs(self) -> int:
-        """The tiles: whole blocks and tails."""
+    def tiles(self) -> int:
+        """How many tiles: whole blocks and tails."""
         return self.blocks.shape[0]
 
 
@@ -189,7 +189,7 @@ def _tiles(numels: Sequence[int], block: int) -> tuple[torch.Tensor, int]:
     return torch.cat([whole, _blocks(numels, block, False)]), whole.shape[0]
 
 
-def _aligned(addresses: Sequence[int]) -> bool:
+def on_16_bytes(addresses: Iterable[int]) -> bool:
     """Whether every address is a multiple of 16 bytes (a 16-byte vector's): no low bit
     set in any (their bitwise or, one pass in C)."""
     return functools.reduce(operator.or_, addresses, 0) & 15 == 0
@@ -210,7 +210,7 @@ def build(group: GroupStep, entries: Sequence[Entry], capturable: bool,
     return Launch(signature, _to_device(torch.tensor(rows, dtype=torch.int64), device),
                   _to_device(torch.tensor(grad_addresses, dtype=torch.int64), device),
                   grad_addresses, _to_device(blocks, device), whole,
-                  _aligned(addresses + grad_addresses))
+                  on_16_bytes(addresses + grad_addresses))
 
 
 def signature_of(entries: Sequence[Entry], capturable: bool) -> tuple:
@@ -234,7 +234,7 @@ def refresh_grads(launch: Launch, addresses: list[int]) -> None:
         # stream-ordered: the last launch has read the old addresses before this copy
         launch.grads.copy_(fresh, non_blocking=True)
         launch.grad_addresses = addresses
-        launch.aligned = launch.aligned and _aligned(addresses)
+        launch.aligned = launch.aligned and on_16_bytes(addresses)
 
 
 # ---------------------------------------------------------------------------------------
@@ -440,7 +440,7 @@ def _one_launch(plan: Launch, run: Callable[[tuple, dict], None]) -> None:
     """``run(grid, flags)``: the launch's one kernel call over its whole blocks and tails,
     on its device, where it has any tile."""
     device = plan.table.device
-    tiles = plan.programs
+    tiles = plan.tiles
     if not tiles:
         return
     with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
@@ -466,7 +466,7 @@ def launch(plan: Launch, flags: dict, arguments: Sequence[float], step: int,
     _one_launch(plan, lambda grid, kind: kernel[grid](
         plan.table, plan.grads, plan.blocks, spare if coefficients is None else coefficients,
         spare if scale is None else scale, spare if found is None else found, *arguments,
-        step, plan.programs, plan.whole, **flags, **kind, **options))
+        step, plan.tiles, plan.whole, **flags, **kind, **options))
 
 
 def check(plan: Launch, dtype: torch.dtype, found: torch.Tensor) -> None:
@@ -477,5 +477,5 @@ def check(plan: Launch, dtype: torch.dtype, found: torch.Tensor) -> None:
     kernel = kernel_module(device.type == "cpu").nonfinite_check
     options = _options(device)
     _one_launch(plan, lambda grid, kind: kernel[grid](
-        plan.table, plan.grads, plan.blocks, found, plan.programs, plan.whole,
+        plan.table, plan.grads, plan.blocks, found, plan.tiles, plan.whole,
         W_KIND=layout.KINDS[dtype], **kind, **options))

@@ -137,7 +137,7 @@ def _aligned(entry: Entry) -> bool:
     blocks do; a view may not): such entries share launches whose loads are vectors, the
     others get their own (``kernels._address``)."""
     tensors = (entry.param, entry.grad, *entry.tensors.values())
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
+    return launches.on_16_bytes(t.data_ptr() for t in tensors)
 
 
 def _interpreted(device: torch.device) -> bool:

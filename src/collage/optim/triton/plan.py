@@ -33,13 +33,12 @@ kernels (:meth:`TritonPlan.check`): the same host and device work for 3 tensors 
 
 from __future__ import annotations
 
-from functools import reduce
 from itertools import compress, repeat
-from operator import is_, itemgetter, or_
+from operator import is_
 
 import torch
 
-from ..group import Entry, GroupStep
+from ..group import ITEM_POSITION, Entry, GroupStep
 from ..plan_table import PlanTable
 from . import launch as launches
 from . import layout
@@ -58,10 +57,8 @@ def _flags(group: GroupStep) -> tuple:
     sends the step to the general path."""
     return (group.rule, group.strategy, group.foreach, group.fused, group.reference,
             bool(group.hyper.get("capturable", False)), group.seed,
-            tuple(map(_POSITION, group.items)))
+            tuple(map(ITEM_POSITION, group.items)))
 
-
-_POSITION = itemgetter(4)  # an Item's fields: name, param, grad, state, position, ...
 
 
 class TritonPlan:
@@ -70,7 +67,8 @@ class TritonPlan:
     :meth:`step` runs."""
 
     __slots__ = ("flags", "table", "counters", "vector", "versions", "device", "buckets",
-                 "aligned", "all_aligned", "step_value", "on_device", "coefficients")
+                 "aligned", "all_aligned", "step_value", "on_device", "coefficients",
+                 "pointed")
 
     @classmethod
     def build(cls, group: GroupStep, entries: list[Entry], buckets: list[Bucket],
@@ -86,7 +84,7 @@ class TritonPlan:
         plan.on_device = on_device
         plan.flags = _flags(group)
         plan.table = PlanTable([entry.item for entry in entries], tuple(first.tensors))
-        plan.coefficients = None
+        plan.coefficients = plan.pointed = None
         if on_device:  # one vector in bucket order (path._step_on_device made it)
             plan.vector = launches.counter_vector(
                 [entries[i].state["step"] for _, members, _ in buckets for i in members])
@@ -122,10 +120,8 @@ class TritonPlan:
                                                  repeat("step")), self.counters)):
             return None
         addresses = list(map(torch.Tensor.data_ptr, grads))
-        if self.all_aligned:
-            if reduce(or_, addresses, 0) & 15:  # one is not on 16 bytes
-                return None
-        elif any(address & 15 for address in compress(addresses, self.aligned)):
+        if not launches.on_16_bytes(addresses if self.all_aligned
+                                    else compress(addresses, self.aligned)):
             return None
         return addresses
 
@@ -140,8 +136,8 @@ class TritonPlan:
         coefficients = group.coefficients(step)
         arguments = launches.step_arguments(group.rule, coefficients)
         scale = launches.grad_scale(group, self.device)
-        for launch, members, dtype in self.buckets:
-            launches.refresh_grads(launch, [grads[i] for i in members])
+        self._point_at(grads)
+        for launch, _, dtype in self.buckets:
             flags = launches.kernel_flags(group, dtype, launches.decays(coefficients), False,
                                           self.device.type == "cpu")
             launches.launch(launch, flags, arguments, step, None, scale)
@@ -151,9 +147,18 @@ class TritonPlan:
         """Raise the step's device verdict ``found`` to 1 where a gradient at ``grads``
         (:meth:`ready`'s addresses) holds inf or nan: one check launch per bucket (its
         whole blocks and its tails), whatever the number of tensors."""
-        for launch, members, dtype in self.buckets:
-            launches.refresh_grads(launch, [grads[i] for i in members])
+        self._point_at(grads)
+        for launch, _, dtype in self.buckets:
             launches.check(launch, dtype, found)
+
+    def _point_at(self, grads: list[int]) -> None:
+        """Every bucket's launch pointed at the gradients at ``grads`` (:meth:`ready`'s
+        addresses, a new list each step): once a step, which the check and the step share."""
+        if grads is self.pointed:
+            return
+        for launch, members, _ in self.buckets:
+            launches.refresh_grads(launch, [grads[i] for i in members])
+        self.pointed = grads
 
     def _step_on_device(self, group: GroupStep, grads: list[int]) -> None:
         """The counters advanced on the device by ``1 - verdict`` (one operation on their
@@ -166,9 +171,9 @@ class TritonPlan:
         scale = launches.grad_scale(group, self.device)
         decays = launches.capturable_decays(group)
         interpreted = self.device.type == "cpu"
+        self._point_at(grads)
         start = 0
         for launch, members, dtype in self.buckets:
-            launches.refresh_grads(launch, [grads[i] for i in members])
             flags = launches.kernel_flags(group, dtype, decays, True, interpreted,
                                           skippable=found is not None)
             launches.launch(launch, flags, [0.0] * layout.NCOEF, 0,
