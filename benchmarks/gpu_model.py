@@ -230,6 +230,12 @@ def memory_ops(opcodes: list[str]) -> dict[str, int]:
         o for o in opcodes if o.startswith(("LDG", "STG", "LDL", "STL"))).items()))
 
 
+def spills(sass: Sass, opcodes: list[str]) -> int:
+    """The kernel's local memory (bytes) and its fast path's local loads and stores: 0
+    where nothing spills."""
+    return sass.local_bytes + sum(o.startswith(("LDL", "STL")) for o in opcodes)
+
+
 # ---------------------------------------------------------------------------------------
 # the variants
 # ---------------------------------------------------------------------------------------
@@ -504,9 +510,7 @@ def model_rows(archs: list[int], revision: str | None, host: dict[str, float] | 
             nbytes = spec["bytes_per_element"]
             rows.append(Row(
                 arch, spec["rule"], spec["strategy"], spec["configuration"], spec["variant"],
-                sass.registers, sass.local_bytes + sum(o.startswith(("LDL", "STL"))
-                                                       for o in opcodes),
-                round(per_element, 2), memory_ops(opcodes), nbytes, looped,
+                sass.registers, spills(sass, opcodes), round(per_element, 2), memory_ops(opcodes), nbytes, looped,
                 round(predict(gpu, n_1b, nbytes, per_element, looped, check), 3),
                 round(predict(gpu, n_100m, nbytes, per_element, looped, check, host_s), 3),
                 round(predict(gpu, n_1b, nbytes, per_element, False, check), 3), host_s,
@@ -518,7 +522,7 @@ def model_rows(archs: list[int], revision: str | None, host: dict[str, float] | 
             opcodes = fast_path(sass)
             per_element = len(opcodes) / elements_per_thread
             rows.append(Row(arch, "-", name, "calibration", "copy" if name == "copy"
-                            else "whole", sass.registers, sass.local_bytes,
+                            else "whole", sass.registers, spills(sass, opcodes),
                             round(per_element, 2), memory_ops(opcodes), nbytes, False,
                             round(predict(gpu, n_1b, nbytes, per_element, False), 3),
                             round(predict(gpu, n_100m, nbytes, per_element, False), 3),
@@ -549,9 +553,7 @@ def check_rows(module: ModuleType, gpu: Gpu, n_1b: int, n_100m: int) -> list[Row
                 return round(predict(gpu, n, nbytes, per_element, overlapped), 3)
 
             rows.append(Row(gpu.arch, "-", f"check of {label} gradients", "default", variant,
-                            sass.registers, sass.local_bytes + sum(
-                                o.startswith(("LDL", "STL")) for o in opcodes),
-                            round(per_element, 2), memory_ops(opcodes), nbytes, looped,
+                            sass.registers, spills(sass, opcodes), round(per_element, 2), memory_ops(opcodes), nbytes, looped,
                             fraction(n_1b), fraction(n_100m), fraction(n_1b, False), 0.0,
                             fraction(n_100m)))
     return rows
