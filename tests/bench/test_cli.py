@@ -31,10 +31,21 @@ def test_bench_optimizer_small_json(capsys):
     for row in block["rows"]:
         assert row["time_s"]["median"] > 0 and row["time_s"]["p90"] >= row["time_s"]["min"]
         assert row["GBps"] > 0 and row["roofline_fraction"] > 0
-        assert row["bytes_per_param"] == common.BYTES[row["key"].split(":")[1]
-                                                      if ":" in row["key"] else
-                                                      row["key"]].total
     rows = {r["key"]: r for r in block["rows"]}
+    # the bytes a step moves: its components, and the default check's read of each bf16
+    # gradient (2 bytes) where the row checks; torch's and the no-check rows read none
+    plus, bf16 = common.BYTES["plus"].total, common.BYTES["torch-foreach-bf16"].total
+    expected = {"torch-fused-fp32": 28, "collage:plus:fused": plus + 2,
+                "collage:plus:foreach": plus + 2, "collage:plus:fused+ignore": plus,
+                "torch-foreach-bf16": bf16}
+    for key, nbytes in expected.items():
+        row = rows[key]
+        assert row["bytes_per_param"] == nbytes, key
+        assert row.get("check_bytes_per_param", 0) == nbytes - common.BYTES[
+            key.split(":")[1] if ":" in key else key].total, key
+        # the roofline is those bytes at the measured bandwidth
+        roofline = nbytes * block["n_params"] / (row["bandwidth_GBps"] * 1e9)
+        assert row["roofline_s"] == pytest.approx(roofline, rel=1e-12), key
     # the headline rows are the default configuration; the no-check row says it is not
     assert rows["collage:plus:fused"]["nonfinite"] == "skip"
     assert rows["collage:plus:foreach"]["nonfinite"] == "skip"

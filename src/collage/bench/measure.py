@@ -236,6 +236,24 @@ def _looped(step: Callable, baseline: Callable, device: torch.device,
             "loop_steps": steps}
 
 
+#: the non-finite policies that read every gradient once more before the step
+CHECKING = ("skip", "raise")
+
+
+def check_bytes(cand: Candidate) -> int:
+    """Bytes per parameter the candidate's non-finite check reads: each gradient once
+    (the bench's gradients have the weights' dtype, ``make_params``) where its policy checks,
+    else 0 (``ignore``, and the baselines, which check nothing)."""
+    return cand.weight_dtype.itemsize if cand.nonfinite in CHECKING else 0
+
+
+def step_bytes(cand: Candidate) -> float:
+    """What one step of ``cand`` must move per parameter, the roofline's numerator: its
+    components read and written (``common.BYTES``) and its check's read (#31: the default
+    configuration's roofline counts the check, which is part of its step)."""
+    return BYTES[cand.bytes_key].total + check_bytes(cand)
+
+
 def _speed_row(nbytes: float, n: int, t: dict[str, float], bandwidth: float) -> dict:
     """Time per parameter, achieved GB/s and the fraction of the roofline."""
     return {
@@ -286,8 +304,9 @@ def _measure_candidate(cand: Candidate, size: str, shapes, n: int, base: _Baseli
         "start_step": (start_step if counted else None) if start_step else 0,
         "first_step_s": first, "repeats": rounds,
         "cpu_time_median_s": statistics.median(times["c_cpu"]),
-        **_speed_row(BYTES[cand.bytes_key].total, n, t,
+        **_speed_row(step_bytes(cand), n, t,
                      base.probes.bandwidth(times["copy"], times["add"])),
+        "check_bytes_per_param": check_bytes(cand),
         **_paired(times["b"], times["c"]),
         "speedup_vs_torch_fused_cpu": statistics.median(
             b / max(c, 1e-9) for b, c in zip(times["b_cpu"], times["c_cpu"])),

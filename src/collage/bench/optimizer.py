@@ -51,7 +51,11 @@ RATIO_NOTE = (
     "x torch fused: the median over the row's rounds of torch's fused step time over the "
     "row's, both timed in the same round; the torch fused row's median is over every round "
     "of the size, so compare a row's ratio with its own same-rounds column (the two agree "
-    "within the spread of the per-round ratios, `speedup_range` in the JSON).")
+    "within the spread of the per-round ratios, `speedup_range` in the JSON). B/param: "
+    "what a step must move per parameter, the non-finite check's read of every gradient "
+    "included where the row checks (`nonfinite=\"skip\"`, the default: "
+    "`check_bytes_per_param` in the JSON); the roofline is those bytes over the measured "
+    "copy or in-place add bandwidth, whichever is higher.")
 
 
 def _fmt_ms(seconds: float) -> str:
