@@ -1,7 +1,9 @@
 """Nanoseconds per element and core of one strategy's CPU step on one tensor: the native
-kernels' arithmetic, without the non-finite check (``nonfinite="ignore"``), as against the
-divider's floor (``benchmarks/divider_probe.c``; issue #31,
-docs/benchmarks/intel-xeon-2c_2026-12-05_cpu-step-quiet.md).
+kernels' arithmetic and memory traffic, without the non-finite check
+(``nonfinite="ignore"``); compare with the divider's floor (``benchmarks/divider_probe.c``)
+and the streams' (``benchmarks/stream_probe.c``). Issue #31:
+docs/benchmarks/intel-xeon-2c_2026-12-05_prefetch.md (``--elements 32768`` keeps the data
+in L2, where the step's Python is a larger part of the time).
 
 Usage:
     python benchmarks/kernel_ns.py STRATEGY [--elements 16e6] [--threads 1] [--seconds 4]
