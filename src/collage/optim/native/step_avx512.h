@@ -398,13 +398,14 @@ static inline __attribute__((always_inline)) void pair_block(const int S, const 
 }
 
 /* Why prefetch: a core steps a block about as long as its next lines take to arrive, and
- * without help the two did not overlap: the hardware prefetchers run too few lines ahead of
- * a loop that computes this much per line (one thread, 16M bf16 elements resident in L2
- * cost 0.51 ns per element, in memory 0.81; two threads, ``bf16``: 0.92 -> 0.54 ns per
- * element and core with this prefetch, ``plus`` 1.17 -> 0.98). Every stream the block reads
- * is asked for PREFETCH_BYTES ahead; a prefetch changes no value and never faults, past a
- * tensor's end included (the address is computed as an integer: no pointer leaves its
- * array). The distance: 16 cache lines per stream; 512 bytes gave less, 2048 about the
+ * without help the two did not overlap (the hardware prefetchers do not run far enough
+ * ahead of a loop that computes this much per line): one thread, 16M bf16 elements cost
+ * 0.51 ns per element with the data in L2, 0.81 in memory; two threads, ``bf16`` 0.92 ->
+ * 0.54 ns per element and core with this prefetch, ``plus`` 1.17 -> 0.98 (#31,
+ * docs/benchmarks/intel-xeon-2c_2026-12-05_prefetch.md). Every stream the block reads is
+ * asked for COLLAGE_PREFETCH_BYTES ahead; a prefetch changes no value and never faults,
+ * past a tensor's end included (the address is computed as an integer: no pointer leaves
+ * its array). The distance: 16 cache lines per stream; 512 bytes gave less, 2048 about the
  * same, within 5 % (``benchmarks/prefetch_distance.py``; ``-DCOLLAGE_PREFETCH_BYTES=0``
  * builds the loops without prefetching, for such A/Bs). */
 #ifndef COLLAGE_PREFETCH_BYTES
