@@ -157,6 +157,43 @@ def test_plan_notices_what_changed(strategy: str, change: str, monkeypatch) -> N
     assert 5 <= plan_steps.count <= 7
 
 
+#: a weight given a new view of its own memory: the same address, another dtype or shape
+SAME_ADDRESS_VIEWS = {"float16 view": lambda w: w.view(torch.float16),
+                      "narrower view": lambda w: w[:16], "flattened view": lambda w: w.view(-1)}
+
+
+@pytest.mark.parametrize("view", SAME_ADDRESS_VIEWS, ids=str)
+@pytest.mark.parametrize("plans", [True, False], ids=["planned", "general"])
+def test_a_weight_viewed_anew_at_its_address_is_refused_as_the_general_path_refuses(
+        view: str, plans: bool, monkeypatch) -> None:
+    """``p.data = p.data.view(torch.float16)`` (or a narrower or reshaped view) keeps the
+    weight's address, and its old gradient stays: the general path refuses the step (the
+    gradient no longer matches the weight), and so must a plan, whose pointer checks all
+    pass; nothing is written either way."""
+    monkeypatch.setattr(NativePlan, "build", _BUILD if plans else _NO_PLAN)
+    params = _model("plus")
+    opt = _optimizer("plus", params)
+    for step in range(3):
+        for p, g in zip(params, _grads(params, step)):
+            p.grad = g
+        opt.step()
+    weight = params[1]
+    address = weight.data_ptr()
+    weight.data = SAME_ADDRESS_VIEWS[view](weight.data)
+    assert weight.data_ptr() == address
+    for p, g in zip(params, _grads(params, 3)):
+        if p is not weight:  # the re-viewed weight keeps its old gradient
+            p.grad = g
+    before = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+              for p in params]
+    with pytest.raises((TypeError, ValueError), match="the gradient of parameter"):
+        opt.step()
+    for p, (w, state) in zip(params, before):
+        assert torch.equal(bits(p.detach()), bits(w))
+        for key, value in state.items():
+            assert torch.equal(bits(opt.state[p][key]), bits(value)), key
+
+
 def test_counters_at_the_float32_limit_take_the_general_path(monkeypatch) -> None:
     """float32 counters count exactly up to 2**24 (torch's stop there: + 1 rounds back):
     plans step while the next count is exact, the general path after."""

@@ -59,8 +59,8 @@ class PlanTable:
     def gradients(self, items: Sequence) -> list[torch.Tensor] | None:
         """The items' gradients if the items are the table's parameters in order, with
         the same state dicts, every weight and state tensor at the table's address, the
-        weights and gradients contiguous and every gradient of its parameter's dtype and
-        shape; else None. Changes nothing. (The gradient's device is its parameter's:
+        weights and gradients contiguous and every weight and gradient of the table's dtype
+        and shape; else None. Changes nothing. (The gradient's device is its parameter's:
         torch refuses any other, in ``.grad``'s setter and in autograd, and a parameter
         moved to another device has another address.)"""
         params = list(map(ITEM_PARAM, items))
@@ -70,7 +70,12 @@ class PlanTable:
                 and all(map(is_, map(ITEM_STATE, items), self.states))):
             return None
         grads = list(map(ITEM_GRAD, items))
+        # the weights' own dtype and shape too: ``p.data = p.data.view(torch.float16)`` (or
+        # a narrower view) keeps the address and leaves the old gradient beside it, which
+        # the general path refuses and the plan must not step as the old weight
         if (list(map(_DTYPE, grads)) != self.dtypes or list(map(_SHAPE, grads)) != self.shapes
+                or list(map(_DTYPE, params)) != self.dtypes
+                or list(map(_SHAPE, params)) != self.shapes
                 or not all(map(_CONTIGUOUS, grads)) or not all(map(_CONTIGUOUS, params))):
             return None
         if list(map(_DATA_PTR, params)) != self.param_pointers:
