@@ -11,10 +11,10 @@ what can change between steps:
 * the parameters with gradients are the same objects in the same order, each with the same
   state dict (``load_state_dict`` makes new ones);
 * the weight and every state tensor (the step counter included) still have the data
-  pointers of the table, the weight and the gradient are contiguous, the gradient has its
-  parameter's dtype and shape (``p.data = ...``, a replaced state tensor or a
-  non-contiguous gradient fail the check); each check one pass in C over the tensors
-  (``plan_table.PlanTable``), not a Python loop;
+  pointers of the table, the weight and the gradient are contiguous, both have the table's
+  dtype and shape (``p.data = ...``, a view of the weight's own memory included, a replaced
+  state tensor or a non-contiguous gradient fail the check); each check one pass in C over
+  the tensors (``plan_table.PlanTable``), not a Python loop;
 * the gradient's pointer is read into the table (``zero_grad(set_to_none=True)`` makes new
   gradients every step);
 * the group's strategy and its path flags (``foreach``, ``fused``, ``reference``,

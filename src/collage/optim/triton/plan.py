@@ -11,8 +11,9 @@ only what can change between steps:
   state dict (``load_state_dict`` and a strategy conversion make new ones), the group's
   rule, strategy, flags, seed and parameter positions are the plan's;
 * the weight and every state tensor still have the table's addresses, the weight and the
-  gradient are contiguous, the gradient has its parameter's dtype and shape (so its device:
-  torch keeps a gradient on its parameter's), and is on 16 bytes where the launch was told
+  gradient are contiguous, both have the table's dtype and shape (so the gradient has its
+  parameter's device: torch keeps a gradient on its parameter's), and is on 16 bytes where
+  the launch was told
   so; each check one pass in C over the tensors (``plan_table.PlanTable``);
 * each state's step counter is the plan's object, and none was written since the plan
   advanced it (its version counter, which every in-place write bumps: a counter set by hand
