@@ -13,8 +13,8 @@ only what can change between steps:
 * the weight and every state tensor still have the table's addresses, the weight and the
   gradient are contiguous, both have the table's dtype and shape (so the gradient has its
   parameter's device: torch keeps a gradient on its parameter's), and is on 16 bytes where
-  the launch was told
-  so; each check one pass in C over the tensors (``plan_table.PlanTable``);
+  the launch was told so; each check one pass in C over the tensors
+  (``plan_table.PlanTable``);
 * each state's step counter is the plan's object, and none was written since the plan
   advanced it (its version counter, which every in-place write bumps: a counter set by hand
   or replaced sends the step to the general path).
