@@ -236,15 +236,12 @@ def _looped(step: Callable, baseline: Callable, device: torch.device,
             "loop_steps": steps}
 
 
-#: the non-finite policies that read every gradient once more before the step
-CHECKING = ("skip", "raise")
-
-
 def check_bytes(cand: Candidate) -> int:
     """Bytes per parameter the candidate's non-finite check reads: each gradient once
-    (the bench's gradients have the weights' dtype, ``make_params``) where its policy checks,
-    else 0 (``ignore``, and the baselines, which check nothing)."""
-    return cand.weight_dtype.itemsize if cand.nonfinite in CHECKING else 0
+    (the bench's gradients have the weights' dtype, ``make_params``) under every policy
+    but ``ignore`` (the optimizer's one policy that checks nothing), else 0 (``ignore``,
+    and the baselines, whose policy is None)."""
+    return cand.weight_dtype.itemsize if cand.nonfinite not in (None, "ignore") else 0
 
 
 def step_bytes(cand: Candidate) -> float:

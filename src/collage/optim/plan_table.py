@@ -4,9 +4,9 @@ read in passes that run in C.
 A plan reuses the last step's kernel arguments (data pointers) for the next steps; before
 each, it must know that they still describe the group: the same parameters and state dicts,
 every weight and state tensor where it was, every weight and gradient contiguous and of
-the dtype and shape the table was built with. This runs per tensor and step, and on a GPU the step's host time
-is what a 100M-parameter model waits for (issue #29; on a CPU, what a small model's step
-is made of, #31). A Python loop over the tensors costs about 1 us per tensor on a
+the dtype and shape the table was built with. This runs per tensor and step, and on a GPU
+the step's host time is what a 100M-parameter model waits for (issue #29; on a CPU, what
+a small model's step is made of, #31). A Python loop over the tensors costs about 1 us per tensor on a
 2-core Xeon; one pass in C (``map`` of a method or an attribute getter, lists compared
 with ``==``: identity first, element by element in C) about 0.05 us. So each check
 below is one such pass, and a step's checks cost about 0.5 us per tensor together.

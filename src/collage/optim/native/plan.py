@@ -149,7 +149,6 @@ def _positions(items) -> tuple[int, ...]:
     return tuple(map(ITEM_POSITION, items))
 
 
-
 def _flags(group: GroupStep) -> tuple:
     """What ``dispatch.choose`` chose the path from besides the tensors: a change of any
     sends the step to the general path, which chooses again."""

@@ -61,7 +61,6 @@ def _flags(group: GroupStep) -> tuple:
             tuple(map(ITEM_POSITION, group.items)))
 
 
-
 class TritonPlan:
     """The Triton launches of one parameter group, for the steps that follow (see the
     module docstring). Build with :meth:`build` after a general step; :meth:`ready` checks,
