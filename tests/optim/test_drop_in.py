@@ -239,6 +239,38 @@ def test_hyperparameters_are_checked_when_they_change():
     assert_bitwise_equal(before, snapshot(model, opt))
 
 
+def test_a_group_holding_the_same_immutable_values_is_not_snapshotted(monkeypatch):
+    """#31: a group whose keys hold the very immutable objects they held when validated is
+    not snapshotted again (``_hyper_key``: a Python call per value, a step's fixed cost);
+    a value set anew (an equal one too: snapshotted once, then remembered), a key added,
+    or a list edited in place (a mutable value: snapshotted every step) is seen."""
+    from collage.optim import base
+
+    model, opt = _trained("plus")
+    snapshots = []
+    real = base._hyper_key
+    monkeypatch.setattr(base, "_hyper_key", lambda group: snapshots.append(1) or real(group))
+    group = opt.param_groups[0]
+    train_step(model, opt, 2)
+    assert snapshots == []
+    group["eps"] = float(str(group["eps"]))  # equal, another object
+    train_step(model, opt, 3)
+    train_step(model, opt, 4)
+    assert len(snapshots) == 1
+    group["note"] = "a key of the user's"
+    train_step(model, opt, 5)
+    assert len(snapshots) == 2
+    group["betas"] = list(group["betas"])
+    train_step(model, opt, 6)
+    train_step(model, opt, 7)
+    assert len(snapshots) == 4  # one per step: a list can change in place
+    group["betas"][1] = 1.5
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"betas\[1\]"):
+        train_step(model, opt, 8)
+    assert_bitwise_equal(before, snapshot(model, opt))
+
+
 def test_a_scheduled_learning_rate_checks_the_settings_not_every_parameter(monkeypatch):
     """#31: a scheduler sets a new learning rate every step. The group's settings are
     validated again (a bad value still refuses the step, nothing changed); its parameters,

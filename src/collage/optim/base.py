@@ -51,6 +51,10 @@ class _GroupBook:
     strategy: str
     #: its hyperparameters when last validated (``_hyper_key``)
     hyper: tuple
+    #: the group's keys and value objects when last validated, where every hyperparameter
+    #: is immutable (:func:`_immutable`), else None: then the same objects under the same
+    #: keys are the same hyperparameters (``unchanged``)
+    seen: tuple | None = None
     #: the group as the kernels read it (``rules.plain_numbers``: numpy's scalars as
     #: floats), made when its hyperparameters are validated; None until then
     values: Any = None
@@ -63,6 +67,25 @@ class _GroupBook:
         """Note the group's hyperparameters validated (``key``: their ``_hyper_key``)."""
         self.hyper = _hyper_key(self.group) if key is None else key
         self.values = plain_numbers(self.group)
+        self.remember_objects()
+
+    def remember_objects(self) -> None:
+        """Keep the group's keys and value objects for :meth:`unchanged` (None where a
+        hyperparameter is not immutable)."""
+        group = self.group
+        self.seen = ((tuple(group), tuple(group.values()))
+                     if all(_immutable(value) for key, value in group.items()
+                            if key not in _NOT_HYPERPARAMETERS) else None)
+
+    def unchanged(self) -> bool:
+        """Whether the group holds, under the same keys, the very objects it held when
+        last validated, each immutable: then its hyperparameters are those validated, and
+        the snapshot (``_hyper_key``, one Python call per value) need not be made. Reads
+        no value: a step's fixed cost (#31)."""
+        seen, group = self.seen, self.group
+        return (seen is not None and len(group) == len(seen[0])
+                and all(map(operator.is_, group.values(), seen[1]))
+                and tuple(group) == seen[0])
 
     @classmethod
     def of(cls, group: dict, path: str | None = None) -> _GroupBook:
@@ -230,6 +253,8 @@ class CollageOptimizer(Optimizer):
         self._check_membership()
         for index, group in enumerate(self.param_groups):
             book = self._books[id(group)]
+            if book.unchanged():
+                continue
             key = _hyper_key(group)
             if book.hyper != key:
                 if _parameters_checked_as(book.hyper, group):
@@ -239,6 +264,8 @@ class CollageOptimizer(Optimizer):
                 else:
                     self._validate_group(group, index)
                 book.checked(key)
+            else:  # the same values in other objects: compare with these next time
+                book.remember_objects()
 
     def _check_membership(self) -> None:
         """Admit the groups that are new (inserted into ``param_groups`` by hand) or whose
@@ -965,13 +992,23 @@ def _refuse_duplicates(group: dict, index: int, names: list[str]) -> None:
 
 
 _IMMUTABLE = frozenset({float, int, bool, str, type(None)})
+#: the group's keys that are not hyperparameters (checked as membership, not snapshotted)
+_NOT_HYPERPARAMETERS = ("params", "param_names")
 
 
 def _hyper_key(group: dict) -> tuple:
     """What ``_check_groups`` compares: every value but the parameters, as a deep, immutable
     snapshot (:func:`_frozen`), so that any change, in place included, is validated."""
     return tuple((key, _frozen(value)) for key, value in group.items()
-                 if key not in ("params", "param_names"))
+                 if key not in _NOT_HYPERPARAMETERS)
+
+
+def _immutable(value) -> bool:
+    """Whether ``value`` can never change in place: a number, a string, None, or a tuple
+    of such (exact types: a subclass may carry mutable state)."""
+    if type(value) in _IMMUTABLE:
+        return True
+    return type(value) is tuple and all(map(_immutable, value))
 
 
 def _frozen(value) -> Any:

@@ -90,19 +90,25 @@ def rederive(strategy: Strategy, param: torch.Tensor, state: dict) -> None:
 class WriteLog:
     """Per parameter (by identity), the mark the optimizer's last write left."""
 
-    __slots__ = ("_left",)
+    __slots__ = ("_left", "_kept")
 
     def __init__(self) -> None:
         self._left: dict[int, Mark] = {}
+        # per group (by its first parameter's id), the parameters' ids and the versions
+        # :meth:`_versions_kept` last found equal to their marks; emptied whenever a mark
+        # changes, so that equal versions still mean "as the optimizer left them"
+        self._kept: dict[int, tuple[list[int], list[int]]] = {}
 
     def forget(self) -> None:
         """Trust the weights as they are (a fresh ``load_state_dict``: the loaded states
         describe the weights they were saved with)."""
         self._left.clear()
+        self._kept.clear()
 
     def note(self, params: Iterable[torch.Tensor]) -> None:
         """Record the marks the optimizer leaves in ``params`` (after its writes)."""
         self._left.update({id(param): _mark(param) for param in params})
+        self._kept.clear()
 
     def edited(self, param: torch.Tensor) -> bool:
         """Whether ``param`` was written since the optimizer last left it (never for a
@@ -127,11 +133,19 @@ class WriteLog:
         version counter it still has: nothing to re-derive, where the pointers are known
         to be the recorded ones. Passes in C (a step's common case: nothing edited)."""
         params = list(map(ITEM_PARAM, items))
+        if not params:
+            return True
+        ids, versions = list(map(id, params)), list(map(_VERSION, params))
+        kept = self._kept.get(ids[0])
+        if kept is not None and kept[0] == ids:  # found equal to the marks since the last
+            return kept[1] == versions           # change of a mark: compare with those
         if not set(map(type, params)) <= PLAIN_TENSORS:
             return False
-        marks = list(map(self._left.get, map(id, params)))
-        return None not in marks and list(map(_VERSION_OF_MARK, marks)) == list(
-            map(_VERSION, params))
+        marks = list(map(self._left.get, ids))
+        if None in marks or list(map(_VERSION_OF_MARK, marks)) != versions:
+            return False
+        self._kept[ids[0]] = (ids, versions)
+        return True
 
     def rederive_edited(self, strategy: Strategy, items: Iterable[Item],
                         same_pointers: bool = False) -> bool:
