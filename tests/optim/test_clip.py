@@ -17,21 +17,22 @@ from ._common import PATHS, assert_bitwise_equal, loss_of, make_mlp, snapshot
 @pytest.fixture
 def checks(monkeypatch) -> list[int]:
     """Counts the non-finite checks (each reads every gradient) that steps run, with the
-    gradients each reads: the check of gradient lists, and the one over native plans'
-    tables (a planned step's)."""
+    gradients each reads: the check of gradient lists, and the one a step of every group
+    by its native plan makes in its C call (``check=True``)."""
     calls: list[int] = []
-    original, planned = base.nonfinite_flag, dispatch.nonfinite_native_plans
+    original, planned = base.nonfinite_flag, dispatch.step_native_plans
 
     def counted(grads, **options):
         calls.append(len(grads))
         return original(grads, **options)
 
-    def counted_plans(prepared):
-        calls.append(sum(len(p.plan_grads) for p in prepared if p is not None))
-        return planned(prepared)
+    def counted_plans(prepared, check):
+        if check:
+            calls.append(sum(len(p.plan_grads) for p in prepared if p is not None))
+        return planned(prepared, check)
 
     monkeypatch.setattr(base, "nonfinite_flag", counted)
-    monkeypatch.setattr(dispatch, "nonfinite_native_plans", counted_plans)
+    monkeypatch.setattr(dispatch, "step_native_plans", counted_plans)
     return calls
 
 

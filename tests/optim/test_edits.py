@@ -147,13 +147,13 @@ def test_the_native_plan_steps_from_the_edited_weight(monkeypatch) -> None:
     """The step after the edit is a plan step (the re-derivation writes in place: the plan's
     pointers hold), and it reads the re-derived components."""
     planned = []
-    original = native_plan.NativePlan.step
+    original = native_plan.step_plans
 
-    def spy(plan, *args):
-        planned.append(original(plan, *args))
+    def spy(runs, check):  # every step by plans, one group's or all of them
+        planned.append(original(runs, check))
         return planned[-1]
 
-    monkeypatch.setattr(native_plan.NativePlan, "step", spy)
+    monkeypatch.setattr(native_plan, "step_plans", spy)
     model, opt = _reproducer(collage.AdamW, "mixed", "fused")
     if not planned:
         pytest.skip("native plans need the kernels built with OpenMP")

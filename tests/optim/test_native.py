@@ -31,7 +31,7 @@ from collage.optim import compiled, get_strategy, kernels, native
 from collage.optim.draws import counter_uniform, draw_key
 from collage.optim.native import build
 from collage.optim.native import calls as native_calls
-from collage.optim.native.plan import NativePlan
+from collage.optim.native import plan as native_plan
 from collage.optim.rules import AdamWRule
 from collage.optim.strategies import all_strategies
 
@@ -170,23 +170,23 @@ def _nan_master(strategy: str, pa, sa: dict, pb, sb: dict) -> torch.Tensor | Non
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The strategies the native kernels stepped (it must run): by native.adamw or by a
-    group's NativePlan (the later steps of a group)."""
+    """The strategies the native kernels stepped (it must run): by native.adamw or by the
+    groups' native plans (the later steps of a group: ``native_plan.step_plans``)."""
     seen: list[str] = []
-    original, original_plan = native_calls.adamw, NativePlan.step
+    original, original_plans = native_calls.adamw, native_plan.step_plans
 
     def spy(strategy, *args, **kwargs):
         seen.append(strategy.name)
         return original(strategy, *args, **kwargs)
 
-    def plan_spy(self, group, grads):
-        done = original_plan(self, group, grads)
+    def plan_spy(runs, check):
+        done = original_plans(runs, check)
         if done:
-            seen.append(group.strategy.name)
+            seen.extend(group.strategy.name for _, group, _ in runs)
         return done
 
     monkeypatch.setattr(native_calls, "adamw", spy)
-    monkeypatch.setattr(NativePlan, "step", plan_spy)
+    monkeypatch.setattr(native_plan, "step_plans", plan_spy)
     return seen
 
 

@@ -51,18 +51,20 @@ def _optimizer(strategy: str, params) -> collage.AdamW:
 
 
 class _PlanSteps:
-    """Counts the steps a plan took (the general path's steps are not counted)."""
+    """Counts the groups' steps plans took (``native_plan.step_plans``, through which a
+    step of every group by its plan and ``NativePlan.step`` of one both go; the general
+    path's steps are not counted)."""
 
     def __init__(self, monkeypatch) -> None:
         self.count = 0
-        original = NativePlan.step
+        original = native_plan.step_plans
 
-        def counted(plan, *args):
-            done = original(plan, *args)
-            self.count += int(done)
+        def counted(runs, check):
+            done = original(runs, check)
+            self.count += len(runs) if done else 0
             return done
 
-        monkeypatch.setattr(NativePlan, "step", counted)
+        monkeypatch.setattr(native_plan, "step_plans", counted)
 
 
 def _train(strategy: str, plans: bool, monkeypatch, change=None):
@@ -316,12 +318,14 @@ def test_a_flag_set_mid_run_leaves_the_plan(flags: dict, path: str) -> None:
 @pytest.mark.parametrize("strategy", ["bf16", "plus", "fp32"])
 def test_the_default_check_of_planned_groups_reads_their_tables(strategy, where, value,
                                                                monkeypatch) -> None:
-    """#31: where every group of a step has its plan ready, the default check is each
-    plan's C pass over its own table (``NativePlan.nonfinite``), not the gradient lists'
-    (``base.nonfinite_flag``, refused here): a non-finite element in any group's last
-    element (tensor ``where``) skips the whole step (every weight and state bitwise
-    unchanged, one skip counted, the parameter named); finite gradients step as the
-    general path does, bit for bit."""
+    """#31: where every group of a step has its plan ready, one C call checks and steps
+    them all (``step_plans`` with ``check``), not the gradient lists' check
+    (``base.nonfinite_flag``) nor a plan's step of one group (``NativePlan.step``), both
+    refused here: a non-finite element in any group's last element (tensor ``where``; the
+    tensor of group 1 is cut between two threads, so the thread that finds it is not the
+    one stepping group 0) skips the whole step (every weight and state bitwise unchanged,
+    one skip counted, the parameter named); finite gradients step as the general path
+    does, bit for bit."""
     from collage.optim import base
 
     def groups(params):
@@ -343,6 +347,12 @@ def test_the_default_check_of_planned_groups_reads_their_tables(strategy, where,
         raise AssertionError("a planned step listed its gradients for the check")
 
     monkeypatch.setattr(base, "nonfinite_flag", refused)
+    monkeypatch.setattr(NativePlan, "step", refused)
+    checked = []
+    one_call = native_plan.step_plans
+    monkeypatch.setattr(native_plan, "step_plans",
+                        lambda runs, check: checked.append((len(runs), check))
+                        or one_call(runs, check))
     for p, q, g in zip(params, twins, _grads(params, 2)):
         p.grad, q.grad = g, g.clone()
     if where is not None:
@@ -350,6 +360,7 @@ def test_the_default_check_of_planned_groups_reads_their_tables(strategy, where,
     before = [bits(p) for p in params], copy.deepcopy(opt.state_dict())
     if where is None:
         opt.step()
+        assert checked == [(2, True)]
         monkeypatch.undo()  # the twin has no plan: its check lists the gradients
         ref.step()
         assert opt.skipped_steps == 0
@@ -358,6 +369,7 @@ def test_the_default_check_of_planned_groups_reads_their_tables(strategy, where,
         return
     with pytest.warns(RuntimeWarning, match="non-finite") as caught:
         opt.step()
+    assert checked == [(2, True)]
     name = "group0.param0" if where == 0 else "group1.param0"  # the unnamed parameters'
     assert any(name in str(w.message) for w in caught)
     assert opt.skipped_steps == 1
@@ -366,3 +378,78 @@ def test_the_default_check_of_planned_groups_reads_their_tables(strategy, where,
     for index, state in before[1]["state"].items():
         for key, tensor in state.items():
             assert torch.equal(bits(tensor), bits(after["state"][index][key])), (index, key)
+
+
+def test_raise_on_a_planned_step_writes_nothing_and_the_next_step_is_planned(
+        monkeypatch) -> None:
+    """``nonfinite="raise"`` where every group has its plan ready: the one C call finds the
+    inf (in the last tensor, read by the second thread) before any thread writes; the error
+    names the parameter, nothing moved; the next, finite step is the one call's again and
+    gives the general path's bits (the twin never plans)."""
+    params, twins = _model("plus"), _model("plus")
+    opt = collage.AdamW(params, lr=1e-2, strategy="plus", nonfinite="raise")
+    ref = collage.AdamW(twins, lr=1e-2, strategy="plus", nonfinite="raise")
+    plan_steps = _PlanSteps(monkeypatch)
+
+    def step_both(step: int) -> None:
+        for p, q, g in zip(params, twins, _grads(params, step)):
+            p.grad, q.grad = g, g.clone()
+        opt.step()
+        with monkeypatch.context() as plain:
+            plain.setattr(NativePlan, "build", _NO_PLAN)
+            ref.step()
+
+    step_both(0)
+    step_both(1)
+    for p, g in zip(params, _grads(params, 2)):
+        p.grad = g
+    params[2].grad.view(-1)[-1] = float("inf")
+    before = [bits(p) for p in params], copy.deepcopy(opt.state_dict())
+    with pytest.raises(FloatingPointError, match="group0.param2"):
+        opt.step()
+    assert all(torch.equal(a, bits(p)) for a, p in zip(before[0], params))
+    after = opt.state_dict()
+    for index, state in before[1]["state"].items():
+        for key, tensor in state.items():
+            assert torch.equal(bits(tensor), bits(after["state"][index][key])), (index, key)
+    step_both(3)
+    assert plan_steps.count == 2  # steps 1 and 3 (step 0 made the plan)
+    _assert_same(params, opt, twins, ref)
+
+
+@pytest.mark.parametrize("bad", [None, 0, 2])
+def test_one_call_steps_groups_of_other_strategies_and_gradient_dtypes(bad, monkeypatch):
+    """The one C call of planned groups reads each group's strategy, coefficients and
+    gradient width from its own row: group 0 ``plus`` (bf16 weights and gradients), group 1
+    ``fp32`` (float32 weights and gradients, checked 4 bytes at a time, the tensor cut
+    between two threads) give the general path's bits; an inf in either group's last
+    gradient element (``bad``: its tensor) skips the step with nothing written."""
+    def run(plans: bool):
+        params = _model("plus")[:2] + _model("fp32")[2:]
+        opt = collage.AdamW([{"params": params[:2]},
+                             {"params": params[2:], "strategy": "fp32", "weight_decay": 0.1}],
+                            lr=1e-2, strategy="plus")
+        with monkeypatch.context() as scope:
+            scope.setattr(NativePlan, "build", _BUILD if plans else _NO_PLAN)
+            plan_steps = _PlanSteps(scope)
+            for step in range(4):
+                for p, g in zip(params, _grads(params, step)):
+                    p.grad = g
+                if step == 2 and bad is not None:
+                    params[bad].grad.view(-1)[-1] = float("inf")
+                    before = [bits(p) for p in params], copy.deepcopy(opt.state_dict())
+                    with pytest.warns(RuntimeWarning, match="non-finite"):
+                        opt.step()
+                    assert all(torch.equal(a, bits(p)) for a, p in zip(before[0], params))
+                    after = opt.state_dict()["state"]
+                    for index, state in before[1]["state"].items():
+                        for key, tensor in state.items():
+                            assert torch.equal(bits(tensor), bits(after[index][key]))
+                    continue
+                opt.step()
+        return params, opt, plan_steps.count
+
+    params, opt, count = run(True)
+    twin_params, twin_opt, twin_count = run(False)
+    assert twin_count == 0 and count == 2 * (3 if bad is None else 2)
+    _assert_same(params, opt, twin_params, twin_opt)

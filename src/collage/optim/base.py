@@ -367,10 +367,12 @@ class CollageOptimizer(Optimizer):
                  else UpdateStats() if self._measuring() else None)
         steps = [self._group_step(index, group, items, stats)
                  for index, group, items in batches]
-        # every group on its native plan: prepared first (that creates nothing), so that
-        # the host's non-finite check reads the plans' tables, not every tensor again
+        # every group on its native plan: prepared first (that creates nothing), then one
+        # C call checks every gradient and steps every group (_step_planned)
         planned = dispatch.prepare_native_plans(steps)
-        if not self._gradients_usable(batches, sharded, steps, planned):
+        if planned is not None and cycle is None and self._step_planned(batches, planned):
+            return loss
+        if not self._gradients_usable(batches, sharded, steps):
             return loss
         # every group is checked before any is stepped: a mismatch changes nothing
         prepared = [(group, dispatch.prepare(step) if planned is None else ready)
@@ -391,6 +393,36 @@ class CollageOptimizer(Optimizer):
                 stats.reduce_(sharded)
             self.update_stats = stats.to_dict()
         return loss
+
+    def _step_planned(self, batches: list[Batch], planned: list) -> bool:
+        """Every group on its native plan (``planned``, from ``prepare_native_plans``), and
+        nothing else due this step: no GradScaler verdict, no weight written since our last
+        step (nothing to re-derive). Then one C call checks every gradient for inf and nan
+        and steps every group (``dispatch.step_native_plans``: a small model's step is
+        mostly fixed costs, #31), with the general way's semantics: a non-finite gradient
+        anywhere skips the step (or raises) with every weight and state unchanged. True: the
+        step was made, skipped or refused; False: nothing was written (nor the finite proof
+        of ``clip_grad_norm_`` used), the caller takes the general way."""
+        if getattr(self, "found_inf", None) is not None or not all(
+                self._writes.nothing_to_rederive(ready.group.strategy, ready.group.items)
+                for ready in planned if ready is not None):
+            return False
+        proof = self._finite_proof
+        check = self.nonfinite != "ignore" and not (
+            proof is not None and proof.covers(list(itertools.chain.from_iterable(
+                map(ITEM_GRAD, items) for _, _, items in batches))) and proof.proves_finite())
+        stepped = dispatch.step_native_plans(planned, check)
+        if stepped is None:  # a step counter was changed since: the general way reads them
+            return False
+        self._finite_proof = self._unchecked = None  # as _gradients_usable leaves them
+        if not stepped:
+            self._report_nonfinite(batches)  # raises, or counts the skipped step
+            return True
+        for (_, group, _), ready in zip(batches, planned):
+            if ready is not None:
+                self._books[id(group)].path = ready.path
+        self._steps_taken += 1
+        return True
 
     def _rederive_pending(self) -> None:
         """Apply now the re-derivations the next step would make (``edits.py``), so that
@@ -659,13 +691,12 @@ class CollageOptimizer(Optimizer):
 
     # ----------------------------------------------------------------------- non-finite
 
-    def _gradients_usable(self, batches: list[Batch], sharded, groups: list[GroupStep],
-                          planned: list | None = None) -> bool:
+    def _gradients_usable(self, batches: list[Batch], sharded, groups: list[GroupStep]
+                          ) -> bool:
         """Apply the GradScaler verdict and the non-finite policy: with one host sync, or,
         where every group's path reads it on the device (``dispatch.verdict_on_device``),
-        with none: the verdict goes to the groups and the kernels skip on it. ``planned``:
-        every group prepared by its native plan (``dispatch.prepare_native_plans``), whose
-        tables the host's check then reads."""
+        with none: the verdict goes to the groups and the kernels skip on it. (A step of
+        every group by its native plan checks in its own C call: :meth:`_step_planned`.)"""
         proof, self._finite_proof = self._finite_proof, None  # good for one step at most
         self._unchecked = None  # (a step that raised before making its verdict left one)
         found_inf = getattr(self, "found_inf", None)
@@ -677,13 +708,6 @@ class CollageOptimizer(Optimizer):
             return True
         if self.nonfinite == "ignore":
             return True
-        if planned is not None and proof is None and sharded is None:
-            # the plans proved every gradient a contiguous CPU tensor of their kernels'
-            # dtypes: the native check over their tables, no Python per tensor (#31)
-            if not dispatch.nonfinite_native_plans(planned):
-                return True
-            self._report_nonfinite(batches)
-            return False
         # a meta tensor holds no values to check (torch.optim steps meta parameters too)
         # is_meta, not device.type: a device object per tensor costs about 1 us (#31)
         grads = list(itertools.chain.from_iterable(map(ITEM_GRAD, items)

@@ -142,8 +142,8 @@ def prepare_native_plans(groups: Sequence[GroupStep]) -> list[Prepared | None] |
     """What :func:`prepare` gives every group (None for an empty one) if each group with
     items has a native plan that still describes it (``native_path.planned``), and one
     does; else None. Creates nothing (a plan no longer ready is dropped, as
-    :func:`prepare` drops it), so the step's non-finite verdict can be made after it, by
-    the plans (:func:`nonfinite_native_plans`), on the tables they checked."""
+    :func:`prepare` drops it): a step refused after it has changed nothing.
+    :func:`step_native_plans` then checks and steps every group in one C call."""
     out: list[Prepared | None] = []
     for group in groups:
         if not group.items:
@@ -156,11 +156,18 @@ def prepare_native_plans(groups: Sequence[GroupStep]) -> list[Prepared | None] |
     return out if any(out) else None
 
 
-def nonfinite_native_plans(prepared: Sequence[Prepared | None]) -> bool:
-    """Whether a gradient of the groups :func:`prepare_native_plans` prepared holds inf or
-    nan (each plan's one C pass over its table)."""
-    return any(native_path.nonfinite_planned(p.group, p.plan_grads)
-               for p in prepared if p is not None)
+def step_native_plans(prepared: Sequence[Prepared | None], check: bool) -> bool | None:
+    """Step every group :func:`prepare_native_plans` prepared, in one C call
+    (``native_path.step_plans``); with ``check``, not before every gradient of every group
+    was read for inf and nan. True: stepped (each ``by_plan``); False: a gradient holds inf
+    or nan; None: a step counter was changed since its plan's step. On False and None
+    nothing was written."""
+    runs = [p for p in prepared if p is not None]
+    stepped = native_path.step_plans([(p.group, p.plan_grads) for p in runs], check)
+    if stepped:
+        for p in runs:
+            p.by_plan = True
+    return stepped
 
 
 def checks_planned(prepared: Prepared) -> bool:

@@ -147,6 +147,13 @@ class WriteLog:
         self._kept[ids[0]] = (ids, versions)
         return True
 
+    def nothing_to_rederive(self, strategy: Strategy, items: Sequence[Item]) -> bool:
+        """Whether :meth:`rederive_edited` with ``same_pointers`` would surely find nothing
+        to re-derive among ``items``, read only: the strategy hides nothing beside the
+        weights, or every weight's version counter is as the optimizer left it (False
+        where unsure: the caller then takes the way that re-derives)."""
+        return not hides_weight(strategy) or self._versions_kept(items)
+
     def rederive_edited(self, strategy: Strategy, items: Iterable[Item],
                         same_pointers: bool = False) -> bool:
         """Re-derive the hidden components of the edited parameters among ``items``;

@@ -67,7 +67,7 @@ UNITS = tuple(_HERE / name for name in ("adamw.c", "measured.c", "support.c"))
 #: hashes them all
 SOURCES = UNITS + tuple(_HERE / name for name in ("native.h", "rounding.h", "step.h",
                                                   "step_avx512.h"))
-ABI = 6
+ABI = 7
 # in order of preference: OpenMP (torch's own runtime once loaded), without, portable
 _FLAGS = (("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"),
           ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"),
@@ -229,14 +229,15 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.collage_adamw_threads.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.collage_adamw_threads.restype = ctypes.c_int
+    lib.collage_adamw_planned.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                                          ctypes.c_int]
+    lib.collage_adamw_planned.restype = ctypes.c_int
     lib.collage_nonfinite.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_int]
     lib.collage_nonfinite.restype = ctypes.c_int
     lib.collage_adamw_measured.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.collage_adamw_measured.restype = ctypes.c_int
-    lib.collage_advance_steps.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float]
-    lib.collage_advance_steps.restype = ctypes.c_int
     lib.collage_stochastic_round.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                              ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                              ctypes.c_int]

@@ -53,7 +53,7 @@ from ..strategies import Strategy
 from .build import info, load, loaded
 
 __all__ = ["covers", "row_layout", "row_tensors", "adamw", "table_row", "arguments",
-           "call_threads", "advance_steps", "any_nonfinite", "spans_nonfinite",
+           "call_threads", "any_nonfinite", "spans_nonfinite",
            "TABLE_COLUMNS", "COLUMN_NUMEL", "COLUMN_GRAD", "COLUMN_KEY0", "COLUMN_KEY1",
            "FIELDS_COUNT"]
 
@@ -213,14 +213,13 @@ def arguments(coeffs: Mapping[str, float], scale: float | None, maximize: bool,
     """(flags, hyperparameters) of a C call: ``coeffs`` as in :func:`adamw`, each
     hyperparameter rounded to float32 as torch rounds a Python number."""
     decay = float(coeffs["decay"])
-    lerp = float(coeffs["one_minus_beta1"])
-    # torch's lerp picks its formula on the float32 weight
-    flags = ((_LERP_SMALL if abs(ctypes.c_float(lerp).value) < 0.5 else 0)
-             | (_DECAY if decay != 1.0 else 0) | (_SCALED if scale is not None else 0)
-             | (_MAXIMIZE if maximize else 0) | (_GRAD_FP32 if grad_fp32 else 0))
-    h = array("f", [lerp, coeffs["beta2"], coeffs["one_minus_beta2"],
+    h = array("f", [coeffs["one_minus_beta1"], coeffs["beta2"], coeffs["one_minus_beta2"],
                     coeffs["bias_correction2_sqrt"], coeffs["eps"], -coeffs["step_size"],
                     decay, coeffs["lr_wd"], 1.0 if scale is None else scale])
+    # torch's lerp picks its formula on the float32 weight: h[0], the float32 of 1 - beta1
+    flags = ((_LERP_SMALL if abs(h[0]) < 0.5 else 0)
+             | (_DECAY if decay != 1.0 else 0) | (_SCALED if scale is not None else 0)
+             | (_MAXIMIZE if maximize else 0) | (_GRAD_FP32 if grad_fp32 else 0))
     return flags, h
 
 
@@ -232,12 +231,6 @@ def call_threads(lib, code: int, flags: int, count: int, flat: array, h: array,
                                        h.buffer_info()[0], threads)
     if status != 0:  # pragma: no cover - codes come from the strategies
         raise RuntimeError(f"collage_adamw_threads returned {status}")
-
-
-def advance_steps(lib, steps: array, expected: float) -> bool:
-    """Add 1 to the float32 step counters at the addresses ``steps`` if every one holds
-    ``expected`` (True); else change nothing (False)."""
-    return lib.collage_advance_steps(len(steps), steps.buffer_info()[0], expected) == 0
 
 
 def any_nonfinite(tensors: Sequence[torch.Tensor], threads: int | None = None,

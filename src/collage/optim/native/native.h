@@ -12,10 +12,11 @@
  *   step.h         the per-element AdamW step and its lost-update sums, shared by the
  *                  measured and unmeasured kernels (portable build; run_piece dispatches)
  *   step_avx512.h  the same step on 16 and 32 lanes
- *   adamw.c        the unmeasured entry points, threaded (collage_adamw, _threads)
+ *   adamw.c        the unmeasured entry points, threaded (collage_adamw, _threads, and
+ *                  _planned: a step of every planned group with the non-finite check)
  *   measured.c     the measured entry point (collage_adamw_measured)
- *   support.c      the rest: the build's identity, the non-finite check, the step
- *                  counters and draw keys of native plans, a rounding test hook
+ *   support.c      the rest: the build's identity, the non-finite check, the draw keys
+ *                  of native plans, rounding test hooks
  *
  * Why headers of static inline functions: the step is specialised by inlining (constant
  * strategy, gradient dtype, measured or not), so every file that instantiates it must see
@@ -45,7 +46,7 @@
 #define COLLAGE_AVX512 0
 #endif
 
-#define COLLAGE_ABI 6
+#define COLLAGE_ABI 7
 
 /* strategies, in collage.optim.native.STRATEGY_CODES order */
 enum { S_FP32, S_MIXED, S_BF16, S_KAHAN, S_STOCHASTIC, S_LIGHT, S_PLUS, S_SPLIT };
@@ -87,6 +88,20 @@ enum {
     T_COLS
 };
 
+/* one group of collage_adamw_planned, int64 each */
+enum {
+    P_STRATEGY, /* the group's strategy (S_*) */
+    P_FLAGS,    /* its flags (F_*; F_GRAD_FP32 also sets the check's width) */
+    P_ROWS,     /* its table's rows */
+    P_ELEMENTS, /* their elements: the sum of the rows' T_N */
+    P_TABLE,    /* the table: P_ROWS rows of T_COLS */
+    P_H,        /* its coefficients: H_COUNT floats */
+    P_COUNTERS, /* how many step counters */
+    P_STEPS,    /* their addresses: P_COUNTERS int64 */
+    P_STEP,     /* the value every counter must hold (below 2**24: exact in float32) */
+    P_COLS
+};
+
 /* ------------------------------------------------------------------------------------ */
 /* threads: OpenMP, the runtime torch itself uses                                        */
 /* ------------------------------------------------------------------------------------ */
@@ -126,14 +141,24 @@ int collage_adamw(int strategy, int flags, int64_t count, const int64_t *table,
                   const float *h);
 int collage_adamw_threads(int strategy, int flags, int64_t count, const int64_t *table,
                           const float *h, int threads);
+/* adamw.c: every group of a step that a native plan steps (``groups`` rows of P_COLS in
+ * ``calls``), in one OpenMP region: with ``check``, first every gradient of every group
+ * read for inf and nan. Returns 0 (stepped, every counter advanced), 1 (a gradient is not
+ * finite), 2 (a step counter does not hold its group's P_STEP) or -1 (an unknown strategy);
+ * on 1, 2 and -1 nothing was written. */
+int collage_adamw_planned(int64_t groups, const int64_t *calls, int threads, int check);
 
 /* measured.c: collage_adamw that also writes each row's lost-update sums */
 int collage_adamw_measured(int strategy, int flags, int64_t count, const int64_t *table,
                            const float *h, double *sums);
 
-/* support.c: the non-finite check, the plans' step counters and keys, a test hook */
+/* support.c, for adamw.c (not exported): 1 if any of the elements [begin, end) at ``x``
+ * (float32 when ``wide``, else bf16) is inf or nan */
+__attribute__((visibility("hidden"))) int span_nonfinite(const void *x, int wide,
+                                                         int64_t begin, int64_t end);
+
+/* support.c: the non-finite check, the plans' stochastic keys, test hooks */
 int collage_nonfinite(int wide, int64_t count, const int64_t *table, int threads);
-int collage_advance_steps(int64_t count, const int64_t *steps, float expected);
 void collage_stochastic_keys(int64_t count, int64_t *table, const uint64_t *states,
                              int64_t step);
 int collage_stochastic_round(const float *x, int64_t n, int64_t first, int64_t key0,

@@ -9,9 +9,10 @@ import torch
 from ..draws import stochastic_key
 from ..group import Entry, GroupStep, advance_steps
 from . import calls
+from . import plan as plans
 from .plan import NativePlan
 
-__all__ = ["planned", "nonfinite_planned", "step_planned", "native_entries", "step_native"]
+__all__ = ["planned", "step_plans", "step_planned", "native_entries", "step_native"]
 
 _PLAN = "native_plan"
 
@@ -27,10 +28,14 @@ def planned(group: GroupStep) -> array | None:
     return grads
 
 
-def nonfinite_planned(group: GroupStep, grads: array) -> bool:
-    """Whether a gradient at :func:`planned`'s pointers holds inf or nan (``NativePlan
-    .nonfinite``)."""
-    return group.cache[_PLAN].nonfinite(grads)
+def step_plans(runs: list[tuple[GroupStep, array]], check: bool) -> bool | None:
+    """Step every ``(group, planned(group)'s pointers)`` by its plan in one C call
+    (``plan.step_plans``); with ``check``, not before reading every gradient for inf and
+    nan. True: stepped; False: a gradient is not finite; None: a step counter was changed
+    since its plan's step (then :func:`step_planned`, group by group, steps the groups
+    whose counters hold and drops the other plans). Nothing written on False and None."""
+    return plans.step_plans([(group.cache[_PLAN], group, grads) for group, grads in runs],
+                            check)
 
 
 def step_planned(group: GroupStep, grads: array) -> bool:

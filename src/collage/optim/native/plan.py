@@ -23,11 +23,14 @@ what can change between steps:
   Each row keeps ``draws.mix``'s state after the seed and the position, and C mixes the
   step in (``collage_stochastic_keys``) instead of Python.
 
-The step counters are advanced in C (``collage_advance_steps``), which first checks that
-every one still holds the plan's step value: a counter changed in place by the user fails
-the check and nothing is written. Any failed check returns False; the caller then takes
-its general path, which rebuilds the plan. The kernel call is the one the general path
-makes (same table, coefficients and flags), so the results are bit for bit the same
+One C call (``collage_adamw_planned``, :func:`step_plans`) steps every group of a step
+that its plan steps, and advances the step counters, which it first checks all still hold
+their plans' step values: a counter changed in place by the user fails the check and
+nothing is written. With ``check`` (``nonfinite="skip"`` or ``"raise"``) the same call
+reads every gradient of every group for inf and nan before any thread writes, in the
+threads that step them. Any failed check writes nothing; the caller then takes its
+general path, which rebuilds the plan. The kernels are the general path's (same table,
+coefficients and flags), so the results are bit for bit the same
 (``tests/optim/test_native_plan.py``).
 
 Plans are made only for what the fast path needs no more for: unmeasured steps of plain
@@ -39,6 +42,7 @@ which ``load_state_dict`` empties (the old tensors are freed at once).
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 
 import torch
 
@@ -48,7 +52,7 @@ from ..plan_table import PlanTable
 from . import calls
 from .build import loaded
 
-__all__ = ["NativePlan"]
+__all__ = ["NativePlan", "step_plans"]
 
 # float32 step counters count exactly up to 2**24 (then + 1 rounds back: torch's counters
 # stop there, and the C check compares floats): plans step while the next count is exact
@@ -61,7 +65,7 @@ class NativePlan:
     the next step or returns False having changed nothing."""
 
     __slots__ = ("lib", "strategy", "flags", "tensors", "table", "counters", "step_value",
-                 "grad_dtype", "key_states", "key_of", "spans")
+                 "grad_dtype", "key_states", "key_of", "elements")
 
     def __init__(self) -> None:  # use build()
         self.step_value = 0
@@ -95,10 +99,7 @@ class NativePlan:
             plan.key_of = (group.seed, positions)
         plan.tensors = PlanTable([entry.item for entry in entries], keys)
         plan.table = array("q", rows)
-        # (gradient address, size) per row, for the non-finite check: the sizes kept, the
-        # addresses written each step
-        plan.spans = array("q", [0, 0] * len(entries))
-        plan.spans[1::2] = plan.table[calls.COLUMN_NUMEL::calls.TABLE_COLUMNS]
+        plan.elements = sum(plan.table[calls.COLUMN_NUMEL::calls.TABLE_COLUMNS])
         plan.counters = array("q", counters)
         plan.step_value = first.step
         plan.grad_dtype = first.grad.dtype
@@ -116,19 +117,15 @@ class NativePlan:
         grads = self.tensors.gradients(items)
         return None if grads is None else array("q", map(torch.Tensor.data_ptr, grads))
 
-    def nonfinite(self, grads: array) -> bool:
-        """Whether a gradient at the pointers :meth:`ready` returned holds inf or nan: the
-        native check's C pass (``calls.spans_nonfinite``) over the plan's own table, whose
-        checks already proved every gradient a contiguous CPU tensor of the plan's dtype
-        and its parameter's size; no Python per tensor (#31: a small model's step is mostly
-        per-tensor costs)."""
-        self.spans[0::2] = grads
-        return calls.spans_nonfinite(self.lib, self.grad_dtype, self.spans,
-                                     torch.get_num_threads())
-
     def step(self, group: GroupStep, grads: array) -> bool:
         """Step the group with the gradient pointers :meth:`ready` returned; False (nothing
         changed) when a step counter was changed since the plan's step."""
+        return step_plans([(self, group, grads)], check=False) is True
+
+    def call(self, group: GroupStep, grads: array) -> tuple[array, array]:
+        """The group's row of ``collage_adamw_planned`` (native.h: P_*) for its next step
+        with the gradient pointers :meth:`ready` returned, and the coefficients it points
+        to (keep them alive until the call). Writes only the plan's own table."""
         self.table[calls.COLUMN_GRAD::calls.TABLE_COLUMNS] = grads
         step = self.step_value + 1
         if self.key_of is not None:  # the draws' keys depend on the step: mixed in by C
@@ -137,12 +134,43 @@ class NativePlan:
         scale = None if group.grad_scale is None else float(group.grad_scale)
         flags, h = calls.arguments(group.coefficients(step), scale, group.maximize,
                                    self.grad_dtype == torch.float32)
-        if not calls.advance_steps(self.lib, self.counters, float(self.step_value)):
-            return False  # a counter was changed: the general path reads them all
-        calls.call_threads(self.lib, self.strategy.native_code, flags, len(self.counters),
-                           self.table, h, torch.get_num_threads())
-        self.step_value = step
+        rows = len(self.counters)  # a row and a step counter per tensor
+        row = array("q", (self.strategy.native_code, flags, rows, self.elements,
+                          self.table.buffer_info()[0], h.buffer_info()[0], rows,
+                          self.counters.buffer_info()[0], self.step_value))
+        return row, h
+
+
+#: collage_adamw_planned's outcomes (native.h)
+_STEPPED, _NONFINITE, _COUNTER_CHANGED = 0, 1, 2
+
+
+def step_plans(runs: Sequence[tuple[NativePlan, GroupStep, array]], check: bool
+               ) -> bool | None:
+    """Step every ``(plan, group, gradient pointers from plan.ready(group))`` in one C call
+    (``collage_adamw_planned``: one OpenMP region for every group); with ``check``, first
+    every gradient of every group read for inf and nan, as the non-finite check reads them.
+    True: stepped, each plan's step advanced. False (only with ``check``): a gradient
+    holds inf or nan; None: a step counter was changed since its plan's step (the caller
+    takes the general path, which reads them all). On False and None nothing was written
+    but the plans' own tables."""
+    rows, keep = array("q"), []
+    for plan, group, grads in runs:
+        row, h = plan.call(group, grads)
+        rows.extend(row)
+        keep.append(h)
+    lib = runs[0][0].lib
+    outcome = lib.collage_adamw_planned(len(runs), rows.buffer_info()[0],
+                                        torch.get_num_threads(), int(check))
+    if outcome == _STEPPED:
+        for plan, _, _ in runs:
+            plan.step_value += 1
         return True
+    if outcome == _NONFINITE:
+        return False
+    if outcome == _COUNTER_CHANGED:
+        return None
+    raise RuntimeError(f"collage_adamw_planned returned {outcome}")  # pragma: no cover
 
 def _positions(items) -> tuple[int, ...]:
     """The items' parameter positions (one pass in C: this runs every step)."""

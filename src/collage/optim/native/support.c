@@ -1,6 +1,6 @@
 /* Everything but the step: the build's identity (ABI, instruction set, OpenMP), the
- * non-finite check of nonfinite="skip"/"raise", the native plans' step counters and draw
- * keys, and a test hook for the kernels' stochastic rounding. */
+ * non-finite check of nonfinite="skip"/"raise", the native plans' draw keys, and test
+ * hooks for the kernels' roundings. */
 
 #include "native.h"
 #include "rounding.h"
@@ -105,20 +105,8 @@ int collage_residual_pairs(const float *x, int64_t n, uint16_t *hi, uint16_t *lo
 }
 
 /* ------------------------------------------------------------------------------------ */
-/* step counters (collage.optim.native_plan)                                              */
+/* the stochastic keys of native plans (collage.optim.native.plan)                       */
 /* ------------------------------------------------------------------------------------ */
-
-/* The optimizer's per-parameter step counters, float32 scalars at the addresses
- * ``steps[0 .. count)``: if every one holds ``expected``, each becomes ``expected + 1``
- * and 0 is returned; otherwise nothing is written and 1 is returned (someone changed a
- * counter: the caller takes its general path). float32 counts exactly up to 2**24, as
- * torch's own counters do. One pass in C instead of a torch op per counter. */
-int collage_advance_steps(int64_t count, const int64_t *steps, float expected) {
-    for (int64_t t = 0; t < count; t++)
-        if (*(const float *)steps[t] != expected) return 1;
-    for (int64_t t = 0; t < count; t++) *(float *)steps[t] = expected + 1.0f;
-    return 0;
-}
 
 /* The stochastic draws' key words of every row of a plan's table (``count`` rows of
  * T_COLS) at ``step``: fused.stochastic_key in C. ``states[t]``: base._mix's 64-bit state
@@ -154,7 +142,7 @@ void collage_stochastic_keys(int64_t count, int64_t *table, const uint64_t *stat
  * four); the rest after the parts, one by one. */
 #define CHECK_STREAMS 4
 
-static int span_nonfinite(const void *x, int wide, int64_t begin, int64_t end) {
+int span_nonfinite(const void *x, int wide, int64_t begin, int64_t end) {
     int64_t part = (end - begin) / CHECK_STREAMS;
     if (wide) {
         const uint32_t *u = (const uint32_t *)x + begin;
