@@ -63,13 +63,13 @@ int collage_adamw_threads(int strategy, int flags, int64_t count, const int64_t 
 /* every planned group of a step in one call (collage.optim.native.plan.step_plans)       */
 /* ------------------------------------------------------------------------------------ */
 
-/* Why one call: a small model's step is mostly fixed costs (#31). Checking the gradients
- * (collage_nonfinite), then stepping each group (collage_advance_steps and
- * collage_adamw_threads per group) took a C call each from Python, and two OpenMP regions
- * of which the check's ran on one thread below CHECK_MIN_CHUNK. Here one region does both:
- * each thread reads for inf and nan the gradients of the elements it is about to step (so
- * they are in its cache when it steps them), and no thread writes before every thread has
- * read (the barrier): a non-finite gradient anywhere leaves everything unwritten. */
+/* Why one call: a small model's step is mostly fixed costs (#31). Before, the check
+ * (collage_nonfinite), the step counters and each group's kernel (collage_adamw_threads)
+ * took a C call each from Python, and two OpenMP regions, of which the check's ran on one
+ * thread below CHECK_MIN_CHUNK. Here one region does both: each thread reads for inf and
+ * nan the gradients of the elements it is about to step (for a model that fits the caches,
+ * they are then in its own when it steps them), and no thread writes before every thread
+ * has read (the barrier): a non-finite gradient anywhere leaves everything unwritten. */
 
 static int planned_counters_hold(const int64_t *call) {
     const int64_t *steps = (const int64_t *)call[P_STEPS];
