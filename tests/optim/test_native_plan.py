@@ -361,7 +361,7 @@ def test_the_default_check_of_planned_groups_reads_their_tables(strategy, where,
     if where is None:
         opt.step()
         assert checked == [(2, True)]
-        monkeypatch.undo()  # the twin has no plan: its check lists the gradients
+        monkeypatch.undo()  # the refusals were for opt: the twin steps unhindered
         ref.step()
         assert opt.skipped_steps == 0
         for p, q in zip(params, twins):
