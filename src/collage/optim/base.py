@@ -409,8 +409,8 @@ class CollageOptimizer(Optimizer):
             return False
         proof = self._finite_proof
         check = self.nonfinite != "ignore" and not (
-            proof is not None and proof.covers(list(itertools.chain.from_iterable(
-                map(ITEM_GRAD, items) for _, _, items in batches))) and proof.proves_finite())
+            proof is not None and proof.spares_check_of(list(itertools.chain.from_iterable(
+                map(ITEM_GRAD, items) for _, _, items in batches))))
         stepped = dispatch.step_native_plans(planned, check)
         if stepped is None:  # a step counter was changed since: the general way reads them
             return False
@@ -718,8 +718,7 @@ class CollageOptimizer(Optimizer):
             return True
         # A finite norm of these very gradients (clip_grad_norm_) proves every element
         # finite: the check's read of every gradient is skipped.
-        if proof is not None and sharded is None and proof.covers(grads) \
-                and proof.proves_finite():
+        if proof is not None and sharded is None and proof.spares_check_of(grads):
             return True
         on_device = self.nonfinite == "skip" and all(dispatch.verdict_on_device(g)
                                                       for g in groups)

@@ -41,6 +41,11 @@ class FiniteProof(NamedTuple):
             ref() is grad and grad._version == version
             for (ref, version), grad in zip(self.grads, grads))
 
+    def spares_check_of(self, grads: list[torch.Tensor]) -> bool:
+        """Whether a step of ``grads`` needs no non-finite check: they are the tensors
+        measured, unmodified since (:meth:`covers`), and the norm is finite."""
+        return self.covers(grads) and self.proves_finite()
+
     def proves_finite(self) -> bool:
         """Whether the norm is finite (a non-finite norm proves nothing: finite gradients
         can overflow it)."""

@@ -172,6 +172,7 @@ def step_plans(runs: Sequence[tuple[NativePlan, GroupStep, array]], check: bool
         return None
     raise RuntimeError(f"collage_adamw_planned returned {outcome}")  # pragma: no cover
 
+
 def _positions(items) -> tuple[int, ...]:
     """The items' parameter positions (one pass in C: this runs every step)."""
     return tuple(map(ITEM_POSITION, items))
