@@ -10,6 +10,12 @@ import pytest
 import torch
 
 from collage.optim import native
+from collage.optim.native import build
+
+#: the native backends besides the default one that the bit-for-bit tests also run
+#: (build.build_backend): the portable scalar loop, the vector source at AVX2's and NEON's
+#: widths, and the AVX-512 build that rounds with integer operations
+OTHER_BACKENDS = ("portable", "avx2", "vec128", "no-avx512bf16")
 
 
 @pytest.fixture(autouse=True)
@@ -26,3 +32,47 @@ def _single_thread():
 def inductor_only(monkeypatch):
     """The fused path with compiled (inductor) kernels on CPU too (not the native ones)."""
     monkeypatch.setattr(native, "covers", lambda *args, **kwargs: False)
+
+
+@pytest.fixture(scope="session")
+def backend_libs(tmp_path_factory):
+    """name -> loaded library of each of OTHER_BACKENDS this CPU runs, built once per
+    session (about 20 s of one core each); a name is absent where the CPU or the compiler
+    cannot build it, or where it is the default library's own backend."""
+    if build._compiler() is None:
+        return {}
+    libs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COLLAGE_CACHE_DIR", str(tmp_path_factory.mktemp("backends")))
+        for name in OTHER_BACKENDS:
+            if name == native.backend():
+                continue
+            try:
+                libs[name] = build.build_backend(name)
+            except RuntimeError:
+                continue
+    return libs
+
+
+@pytest.fixture(params=OTHER_BACKENDS)
+def backend_lib(request, backend_libs):
+    """One other backend's library (skipped where this machine cannot build it)."""
+    if request.param not in backend_libs:
+        pytest.skip(f"the {request.param} backend is the default here, or this CPU or "
+                    "compiler cannot build it")
+    return backend_libs[request.param]
+
+
+@pytest.fixture(params=("default", *OTHER_BACKENDS))
+def kernel_lib(request, backend_libs):
+    """The default library, then each other backend's (skipped where absent): for the tests
+    of the kernels' roundings and division through their test hooks."""
+    if request.param == "default":
+        lib = native.loaded() or native.load()
+        if lib is None:
+            pytest.skip("native kernels unavailable")
+        return lib
+    if request.param not in backend_libs:
+        pytest.skip(f"the {request.param} backend is the default here, or this CPU or "
+                    "compiler cannot build it")
+    return backend_libs[request.param]

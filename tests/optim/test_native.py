@@ -292,19 +292,13 @@ def test_float32_gradients_for_bf16_weights_and_threads(monkeypatch) -> None:
     _assert_same_bits(results[0][0], results[1][0], "1 vs 3 threads")
 
 
-@pytest.mark.parametrize("flags", [("-O3", "-ffp-contract=off", "-shared", "-fPIC"),
-                                   ("-O3", "-march=native", "-mno-avx512bf16",
-                                    "-ffp-contract=off", "-shared", "-fPIC")],
-                         ids=["portable", "no-avx512bf16"])
-def test_other_builds_give_the_same_bits(flags, tmp_path, monkeypatch) -> None:
-    """The scalar fallback (a plain x86-64 or non-x86 target) and the AVX-512 build that
-    rounds with integer operations equal the default build, on every strategy."""
-    monkeypatch.setenv("COLLAGE_CACHE_DIR", str(tmp_path))
-    try:
-        path, _ = build._build(build._compiler(), [flags])
-    except RuntimeError as error:
-        pytest.skip(f"this compiler cannot build {flags}: {error}")
-    other = build._open(path)
+def test_other_builds_give_the_same_bits(backend_lib) -> None:
+    """Every other backend this CPU runs (conftest.OTHER_BACKENDS: the scalar fallback of a
+    plain x86-64 or non-x86 target, the vector source at AVX2's 8 lanes and at NEON's 4,
+    the AVX-512 build that rounds with integer operations) equals the default build, on
+    every strategy: hard values (zeros, subnormals, inf and nan gradients and weights),
+    tails shorter than every vector width, a GradScaler scale."""
+    other = backend_lib
     coeffs = RULE.coefficients({"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8,
                                 "weight_decay": 0.1}, 2)
     for strategy in STRATEGIES:
@@ -469,8 +463,8 @@ def test_compiler_without_openmp_falls_back_to_the_thread_pool(fresh_loader, mon
 @pytest.mark.parametrize("pairs,first", [(False, 1_000_003), (True, 1_000_003),
                                          (True, 1 << 20)],
                          ids=["16-wide", "32-wide", "32-wide-aligned"])
-def test_stochastic_rounding_of_every_low_half_is_the_reference(pairs: bool,
-                                                                first: int) -> None:
+def test_stochastic_rounding_of_every_low_half_is_the_reference(pairs: bool, first: int,
+                                                                kernel_lib) -> None:
     """The kernels' integer stochastic rounding (``v_stochastic32`` on 16 lanes; with
     ``pairs`` ``v_stochastic2``, 32 elements in 16-bit lanes, whose blocks holding a lane
     at or above the largest finite truncation take ``v_stochastic32``) against the float
@@ -494,8 +488,7 @@ def test_stochastic_rounding_of_every_low_half_is_the_reference(pairs: bool,
     draws = counter_uniform(x.numel(), torch.tensor([key0, key1, first], dtype=torch.int32))
     want = _stochastic_round_bf16(x, draws)
     got = torch.empty(x.numel(), dtype=torch.bfloat16)
-    lib = native.loaded() or native.load()
-    lib.collage_stochastic_round(x.data_ptr(), x.numel(), first, key0, key1, got.data_ptr(),
+    kernel_lib.collage_stochastic_round(x.data_ptr(), x.numel(), first, key0, key1, got.data_ptr(),
                                  int(pairs))
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan)

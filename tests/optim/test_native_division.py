@@ -1,5 +1,7 @@
-"""The AVX-512 kernels divide ``sqrt(v)`` by the bias correction's root without the divider
-(``rounding.h``: ``v_over_bc2s``, a reciprocal and one fused-multiply-add correction): the
+"""The vector kernels divide ``sqrt(v)`` by the bias correction's root without the divider
+(``rounding.h``: ``v_over_bc2s``; ``step_vector.h``: ``g_over_bc2s``, the same on every
+vector width; a reciprocal and one fused-multiply-add correction), each backend this CPU
+runs (conftest.kernel_lib): the
 IEEE quotient, bit for bit, for every significand of the dividend, for the divisors where a
 correction by a rounded reciprocal is most at risk (the reciprocals whose rounding error is
 closest to half an ulp, the all-ones and 1 + ulp significands) and the bias corrections of
@@ -15,7 +17,6 @@ import pytest
 import torch
 
 from collage.optim import native
-from collage.optim.native.build import load
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 
@@ -24,13 +25,13 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels u
 SIGNIFICANDS = torch.arange(0x3F800000, 0x40000000, dtype=torch.int32).view(torch.float32)
 
 
-def _over(x: torch.Tensor, b: float) -> torch.Tensor:
-    """``x / b`` as the kernels compute it (``collage_probe_over_bc2s``)."""
+def _over(x: torch.Tensor, b: float, lib) -> torch.Tensor:
+    """``x / b`` as the kernels of ``lib`` compute it (``collage_probe_over_bc2s``)."""
     out = torch.empty_like(x)
-    status = load().collage_probe_over_bc2s(x.data_ptr(), x.numel(), ctypes.c_float(b),
+    status = lib.collage_probe_over_bc2s(x.data_ptr(), x.numel(), ctypes.c_float(b),
                                             out.data_ptr())
     if status == -1:
-        pytest.skip("this build has no AVX-512 kernels (their division is the IEEE one)")
+        pytest.skip("this build has no vector kernels (its division is the IEEE one)")
     return out
 
 
@@ -62,20 +63,20 @@ DIVISORS = sorted({*_worst_reciprocals(6), float(np.nextafter(np.float32(2), 0))
 
 
 @pytest.mark.parametrize("b", DIVISORS, ids=lambda b: f"{np.float32(b).view(np.uint32):#x}")
-def test_every_significand_is_the_ieee_quotient(b: float) -> None:
-    got = _over(SIGNIFICANDS, b)
+def test_every_significand_is_the_ieee_quotient(b: float, kernel_lib) -> None:
+    got = _over(SIGNIFICANDS, b, kernel_lib)
     want = SIGNIFICANDS / torch.tensor(b, dtype=torch.float32)  # IEEE, correctly rounded
     differ = (got.view(torch.int32) != want.view(torch.int32)).nonzero()
     assert differ.numel() == 0, [(float(SIGNIFICANDS[i]), b) for i in differ[:5].flatten()]
 
 
 @pytest.mark.parametrize("b", [1.0, 0.03162277, 0.5, 0.7071068, 0.9995])
-def test_the_values_passed_through_and_the_extremes(b: float) -> None:
+def test_the_values_passed_through_and_the_extremes(b: float, kernel_lib) -> None:
     """+0, -0, inf and NaN (with its payload) come back as the division gives them; the
     smallest and largest square roots a float32 second moment has are divided exactly."""
     x = torch.tensor([0.0, -0.0, float("inf"), float("nan"), 2.0**-74.5, 2.0**-63,
                       1.8446743e19, 1.0, 3.0, 1e-20] + [7.0] * 6, dtype=torch.float32)
     x[3] = torch.tensor(0x7FC12345, dtype=torch.int32).view(torch.float32)  # a payload
-    got = _over(x, b)
+    got = _over(x, b, kernel_lib)
     want = x / torch.tensor(b, dtype=torch.float32)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))

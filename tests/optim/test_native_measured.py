@@ -16,7 +16,7 @@ Two properties, for every strategy the native kernels cover:
 Cases are data: adversarial values (zeros of both signs, subnormals, huge weights, and
 inf/nan), zero gradients, updates below half an ulp (``e == 0`` exactly), weight decay or
 none, maximize with the other lerp formula, a GradScaler scale, float32 gradients for bf16
-weights, sizes with vector tails and several 256-element blocks; threads and the portable
+weights, sizes with vector tails and several 256-element blocks; threads and the other
 build. At the optimizer level: several groups, named parameters, the analytic values of
 ``edq`` and ``imprecision`` where updates cannot reach a bf16 weight.
 """
@@ -223,21 +223,33 @@ def test_measured_step_is_the_step_and_sums_are_tracked_kernels(strategy, case) 
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_threads_and_portable_build_give_the_same_step_and_sums(strategy, monkeypatch,
-                                                                portable) -> None:
-    """3 threads (tensors cut between threads, every 64 elements) and the scalar build
-    (256-element float32 blocks): the same bits, the same counts, sums within the bound."""
+def test_threads_give_the_same_step_and_sums(strategy, monkeypatch) -> None:
+    """3 threads (tensors cut between threads, every 64 elements): the same bits, the same
+    counts, sums within the bound."""
     monkeypatch.setattr(native_calls, "_MIN_CHUNK", 64)
     case = CASES[0]
     one = _rows(strategy, case, seed=20)
-    three, scalar = [_copy(*t) for t in one], [_copy(*t) for t in one]
-    reference = [_copy(*t) for t in one]
+    three, reference = [_copy(*t) for t in one], [_copy(*t) for t in one]
     sums = {"one": _native(strategy, case, one, True),
             "three": _native(strategy, case, three, True, threads=3)}
     _assert_same_step(strategy, three, one, "3 threads vs 1")
-    if portable is not None:
-        sums["portable"] = _native(strategy, case, scalar, True, lib=portable)
-        _assert_same_step(strategy, scalar, one, "portable vs avx512")
+    for i, (w, g, s) in enumerate(reference):
+        want, absolute = _reference(strategy, case, w, g, s, KEYS)
+        for name, got in sums.items():
+            _assert_sums(got[i], want, absolute, f"{name}: tensor {i}")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_other_backends_give_the_same_step_and_sums(strategy, backend_lib) -> None:
+    """Every other backend this CPU runs (conftest.OTHER_BACKENDS: the scalar build's
+    256-element float32 blocks, the vector source's lanes at 8 and 4): the default build's
+    step bits, the reference's counts, sums within the bound."""
+    case = CASES[0]
+    default = _rows(strategy, case, seed=20)
+    other, reference = [_copy(*t) for t in default], [_copy(*t) for t in default]
+    sums = {"default": _native(strategy, case, default, True),
+            "other": _native(strategy, case, other, True, lib=backend_lib)}
+    _assert_same_step(strategy, other, default, "other backend vs default")
     for i, (w, g, s) in enumerate(reference):
         want, absolute = _reference(strategy, case, w, g, s, KEYS)
         for name, got in sums.items():
@@ -277,20 +289,6 @@ def test_openmp_build_shares_torchs_runtime() -> None:
     if len(gomp) != 1 or "torch" not in next(iter(gomp)):
         pytest.skip(f"torch's OpenMP runtime is not a libgomp in torch/lib: {gomp}")
     assert native.info()["openmp"] == "torch"
-
-
-@pytest.fixture(scope="module")
-def portable(tmp_path_factory):
-    """The portable (scalar) build of the library, or None where it cannot be built."""
-    cache = tmp_path_factory.mktemp("portable")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("COLLAGE_CACHE_DIR", str(cache))
-        try:
-            path, _ = build._build(build._compiler(),
-                                   [("-O3", "-ffp-contract=off", "-shared", "-fPIC")])
-        except RuntimeError:
-            return None
-    return build._open(path)
 
 
 # ---------------------------------------------------------------------------------------

@@ -26,9 +26,16 @@ only if it and the record of its SHA-256 beside it are files of ours that no one
 write and its bytes still have that digest; otherwise one warning, and a rebuild (in the
 process's own ``mkdtemp`` directory where the cache itself is not private).
 
-**Instruction sets.** The sources select AVX-512 intrinsics where the target has them
-(``__AVX512F__``, BW, VL) and a portable scalar loop otherwise, so they build on any
-machine; if ``-fopenmp`` or ``-march=native`` is refused (or the OpenMP build does not load)
+**Instruction sets** (#40). The sources select, from what the compiler targets, AVX-512
+intrinsics (``__AVX512F__``, BW, VL: ``"avx512"``), else ``simd.h``'s vectors (x86-64 with
+AVX2 and FMA: ``"avx2"``, 8 lanes; AArch64: ``"neon"``, 4 lanes), else a portable scalar
+loop (``"portable"``), so they build on any machine. By default the library is built for
+the CPU it runs on (``-march=native``); ``$COLLAGE_NATIVE_ISA`` forces a backend the CPU can
+run: ``avx512``, ``avx2`` (``-mno-avx512f``: an AVX-512 machine tests and times the AVX2
+kernels), ``vec128`` (NEON's width on x86: the same source at 4 lanes, ``-DCOLLAGE_VECTOR_
+BYTES=16``; on AArch64 the native build itself), ``portable``, or ``auto`` (the default). A
+backend this CPU cannot run warns once and builds the default. Every backend gives the same
+bits. If ``-fopenmp`` or the target flags are refused (or the OpenMP build does not load)
 the build retries without.
 
 **Fallback.** No compiler, a failed build or ``COLLAGE_NATIVE=0``: :func:`available` is
@@ -58,20 +65,36 @@ import torch
 
 from . import cache
 
-__all__ = ["available", "backend", "info", "loaded", "load", "ABI", "SOURCES", "UNITS"]
+__all__ = ["available", "backend", "info", "loaded", "load", "ABI", "ISAS", "SOURCES",
+           "UNITS"]
 
 _HERE = Path(__file__).parent
 #: the translation units, compiled together in one call into one library
 UNITS = tuple(_HERE / name for name in ("adamw.c", "measured.c", "support.c"))
 #: every C source of the library, the units and the headers they include: the cache key
 #: hashes them all
-SOURCES = UNITS + tuple(_HERE / name for name in ("native.h", "rounding.h", "step.h",
-                                                  "step_avx512.h"))
-ABI = 7
+SOURCES = UNITS + tuple(_HERE / name for name in ("native.h", "rounding.h", "simd.h",
+                                                  "step.h", "step_avx512.h",
+                                                  "step_vector.h"))
+ABI = 8
 # in order of preference: OpenMP (torch's own runtime once loaded), without, portable
 _FLAGS = (("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"),
           ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"),
           ("-O3", "-ffp-contract=off", "-shared", "-fPIC"))
+
+#: the backends ``$COLLAGE_NATIVE_ISA`` may name (``auto``: the CPU's own, ``_FLAGS``)
+ISAS = ("auto", "avx512", "avx2", "vec128", "portable")
+#: collage_native_isa's codes (native.h's ISA_*); 3 is NEON on AArch64
+_ISA_NAMES = {0: "portable", 1: "avx512", 2: "avx2", 3: "vec128"}
+#: a forced backend's target flags on x86-64 (each the default's -march=native, narrowed)
+#: and the CPU features it needs there (/proc/cpuinfo's names)
+_X86_TARGETS = {
+    "avx512": (("-march=native",), {"avx512f", "avx512bw", "avx512vl"}),
+    "avx2": (("-march=native", "-mno-avx512f"), {"avx2", "fma"}),
+    "vec128": (("-march=native", "-mno-avx512f", "-DCOLLAGE_VECTOR_BYTES=16"),
+               {"avx2", "fma"}),
+    "portable": (("-DCOLLAGE_SCALAR_ONLY",), set()),
+}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -110,6 +133,88 @@ def _machine() -> str:
     except OSError:
         pass
     return "\n".join(words)
+
+
+def _cpu_features() -> set[str]:
+    """The CPU's feature names (x86 ``flags``, ARM ``Features`` of /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _arm() -> bool:
+    return platform.machine().lower() in ("aarch64", "arm64")
+
+
+def requested_isa() -> str:
+    """``$COLLAGE_NATIVE_ISA`` (default ``auto``); a ValueError naming the variable and its
+    values where it is none of :data:`ISAS`."""
+    isa = os.environ.get("COLLAGE_NATIVE_ISA", "auto").strip().lower() or "auto"
+    if isa == "neon":
+        isa = "vec128"
+    if isa not in ISAS:
+        raise ValueError(f"COLLAGE_NATIVE_ISA={isa!r} is not a native backend: use one of "
+                         f"{', '.join(ISAS)} (or neon, the same as vec128), or unset it")
+    return isa
+
+
+def _flag_sets(isa: str) -> tuple[tuple[str, ...], ...]:
+    """The flag sets to try, in order, for backend ``isa``: ``_FLAGS`` for ``auto`` (and
+    for a backend this CPU cannot run, with one warning); else the forced backend's target
+    with and without OpenMP, then the portable build."""
+    if isa == "auto" or (_arm() and isa == "vec128"):
+        return _FLAGS
+    if _arm():
+        target, needs = (("-DCOLLAGE_SCALAR_ONLY",), set()) if isa == "portable" else \
+            (None, {isa})
+    else:
+        target, needs = _X86_TARGETS[isa]
+    missing = sorted(needs - _cpu_features()) if target is not None else [isa]
+    if missing:
+        warnings.warn(f"collage: COLLAGE_NATIVE_ISA={isa} needs CPU features this CPU lacks "
+                      f"({', '.join(missing)}); building the default backend for this CPU",
+                      RuntimeWarning, stacklevel=5)
+        return _FLAGS
+    base = ("-O3", *target, "-ffp-contract=off")
+    return ((*base, "-fopenmp", "-shared", "-fPIC"), (*base, "-shared", "-fPIC"), _FLAGS[-1])
+
+
+def build_backend(isa: str) -> ctypes.CDLL:
+    """The library built for backend ``isa`` (one of :data:`ISAS` but ``auto``; or
+    ``"no-avx512bf16"``: the AVX-512 build that rounds with integer operations), without
+    OpenMP, in the cache directory, loaded beside (not instead of) the default one. For tests
+    and benchmarks that compare backends in one process. A RuntimeError names what this CPU
+    or compiler lacks."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler")
+    if isa == "no-avx512bf16":
+        target, needs = ("-march=native", "-mno-avx512bf16"), {"avx512f", "avx512bw",
+                                                               "avx512vl", "avx512_bf16"}
+    elif _arm():
+        target, needs = (("-march=native",), set()) if isa == "vec128" else \
+            (("-DCOLLAGE_SCALAR_ONLY",), set()) if isa == "portable" else (None, {isa})
+    else:
+        target, needs = _X86_TARGETS[isa]
+    missing = sorted(needs - _cpu_features()) if target is not None else [isa]
+    if missing:
+        raise RuntimeError(f"this CPU lacks {', '.join(missing)} for the {isa} backend")
+    path, _ = _build(cc, [("-O3", *target, "-ffp-contract=off", "-shared", "-fPIC")])
+    lib = _open(path)
+    if isa != "no-avx512bf16" and isa_name(lib.collage_native_isa()) not in (isa, "neon"):
+        raise RuntimeError(f"the {isa} build runs {isa_name(lib.collage_native_isa())}")
+    return lib
+
+
+def isa_name(code: int) -> str:
+    """The backend name of collage_native_isa's ``code`` (4 lanes on AArch64: ``neon``)."""
+    name = _ISA_NAMES.get(code, f"unknown ({code})")
+    return "neon" if name == "vec128" and _arm() else name
 
 
 def _sources_digest() -> str:
@@ -168,8 +273,11 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if _tried:
             return _lib
+        disabled = os.environ.get("COLLAGE_NATIVE", "1").strip().lower() in ("0", "false",
+                                                                            "off", "no")
+        isa = "auto" if disabled else requested_isa()  # a bad value raises every time
         _tried = True
-        if os.environ.get("COLLAGE_NATIVE", "1").strip().lower() in ("0", "false", "off", "no"):
+        if disabled:
             _info.update(reason="disabled by COLLAGE_NATIVE=0")
             return None
         try:
@@ -177,25 +285,25 @@ def load() -> ctypes.CDLL | None:
             if cc is None:
                 tried = "$CC=" + os.environ["CC"] if os.environ.get("CC") else "cc, gcc, clang"
                 raise RuntimeError(f"no C compiler found ({tried})")
-            path, compiled, lib = _build_and_open(cc)
+            path, compiled, lib = _build_and_open(cc, _flag_sets(isa))
         except Exception as error:  # never fatal: the inductor/foreach paths remain
             _info.update(reason=str(error))
             warnings.warn(f"collage: native CPU kernels unavailable ({error}); the CPU fused "
                           "path uses inductor kernels, the default path stays foreach "
                           "(set COLLAGE_NATIVE=0 to silence)", RuntimeWarning, stacklevel=4)
             return None
-        isa = "avx512" if lib.collage_native_isa() else "portable"
-        _info.update(path=str(path), compiled=compiled, isa=isa, compiler=cc, reason=None,
-                     openmp=_openmp_runtime(lib))
+        _info.update(path=str(path), compiled=compiled, isa=isa_name(lib.collage_native_isa()),
+                     requested_isa=isa, compiler=cc, reason=None, openmp=_openmp_runtime(lib))
         _lib = lib
         return lib
 
 
-def _build_and_open(cc: list[str]) -> tuple[Path, bool, ctypes.CDLL]:
-    """Build (or find) and load the first flag set of ``_FLAGS`` that compiles and loads
-    (an OpenMP build whose runtime cannot be loaded falls through to the next)."""
+def _build_and_open(cc: list[str], flag_sets: tuple[tuple[str, ...], ...] | None = None
+                    ) -> tuple[Path, bool, ctypes.CDLL]:
+    """Build (or find) and load the first of ``flag_sets`` (default ``_FLAGS``) that compiles
+    and loads (an OpenMP build whose runtime cannot be loaded falls through to the next)."""
     errors = []
-    for flags in _FLAGS:
+    for flags in _FLAGS if flag_sets is None else flag_sets:
         try:
             path, compiled = _build(cc, (flags,))
             return path, compiled, _open(path)
@@ -260,13 +368,15 @@ def available() -> bool:
 
 
 def backend() -> str | None:
-    """``"avx512"`` or ``"portable"`` (the C build's instruction set), None if unavailable."""
+    """The loop the step runs on: ``"avx512"``, ``"avx2"``, ``"neon"``, ``"vec128"`` (NEON's
+    width on x86, forced) or ``"portable"``; None if the library is unavailable."""
     return _info.get("isa") if available() else None
 
 
 def info() -> dict:
-    """What the loader did: path, compiled (now, vs. found in the cache), isa, compiler, or
-    the reason it is unavailable."""
+    """What the loader did: path, compiled (now, vs. found in the cache), isa (the backend
+    built), requested_isa (``$COLLAGE_NATIVE_ISA``), compiler, or the reason it is
+    unavailable."""
     available()
     return dict(_info)
 

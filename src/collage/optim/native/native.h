@@ -12,6 +12,9 @@
  *   step.h         the per-element AdamW step and its lost-update sums, shared by the
  *                  measured and unmeasured kernels (portable build; run_piece dispatches)
  *   step_avx512.h  the same step on 16 and 32 lanes
+ *   simd.h         the vector layer of the other vector builds (AVX2 and FMA; NEON): the
+ *                  compilers' vector extensions, one fma, square root and lane test each
+ *   step_vector.h  the same step on simd.h's vectors, one source for every width
  *   adamw.c        the unmeasured entry points, threaded (collage_adamw, _threads, and
  *                  _planned: a step of every planned group with the non-finite check)
  *   measured.c     the measured entry point (collage_adamw_measured)
@@ -23,8 +26,10 @@
  * its code. Each entry point is one translation unit's instantiation, as it was when
  * everything lived in one file.
  *
- * Two builds of the same arithmetic: AVX-512 (F, BW, VL) intrinsics when the compiler
- * targets them, and a portable scalar loop otherwise (any C99 compiler; fmaf from libm).
+ * Three builds of the same arithmetic: AVX-512 (F, BW, VL) intrinsics when the compiler
+ * targets them; else simd.h's vectors where the target has them (x86-64 with AVX2 and FMA:
+ * 8 lanes; AArch64: NEON's 4; x86 at 4 lanes with -DCOLLAGE_VECTOR_BYTES=16, for tests);
+ * else a portable scalar loop (any C99 compiler; fmaf from libm).
  * Threads: collage_adamw_threads cuts the rows into spans run by OpenMP where the build has
  * it (-fopenmp; torch's runtime once loaded).
  */
@@ -46,7 +51,10 @@
 #define COLLAGE_AVX512 0
 #endif
 
-#define COLLAGE_ABI 7
+#define COLLAGE_ABI 8
+
+/* what collage_native_isa returns: the loop the step runs on (build.py's ISA names) */
+enum { ISA_PORTABLE = 0, ISA_AVX512 = 1, ISA_VECTOR256 = 2, ISA_VECTOR128 = 3 };
 
 /* strategies, in collage.optim.native.STRATEGY_CODES order */
 enum { S_FP32, S_MIXED, S_BF16, S_KAHAN, S_STOCHASTIC, S_LIGHT, S_PLUS, S_SPLIT };

@@ -48,6 +48,7 @@
 #define COLLAGE_STEP_H
 
 #include "rounding.h"
+#include "simd.h"
 
 /* ------------------------------------------------------------------------------------ */
 /* lost-update sums (measured steps)                                                      */
@@ -272,6 +273,9 @@ static inline __attribute__((always_inline)) void scalar_range(
 
 #if COLLAGE_AVX512
 #include "step_avx512.h"
+#define RANGE vector_range
+#elif COLLAGE_VECTOR
+#include "step_vector.h"
 #define RANGE vector_range
 #else
 #define RANGE scalar_range

@@ -4,9 +4,19 @@
 
 #include "native.h"
 #include "rounding.h"
+#include "step.h"
 
 int collage_native_abi(void) { return COLLAGE_ABI; }
-int collage_native_isa(void) { return COLLAGE_AVX512; } /* 1: AVX-512, 0: portable */
+/* the loop the step runs on (native.h's ISA_*) */
+int collage_native_isa(void) {
+#if COLLAGE_AVX512
+    return ISA_AVX512;
+#elif COLLAGE_VECTOR
+    return COLLAGE_VECTOR_BYTES == 32 ? ISA_VECTOR256 : ISA_VECTOR128;
+#else
+    return ISA_PORTABLE;
+#endif
+}
 #ifdef _OPENMP
 int collage_native_openmp(void) { return 1; } /* collage_adamw_threads uses OpenMP */
 #else
@@ -38,6 +48,18 @@ int collage_stochastic_round(const float *x, int64_t n, int64_t first, int64_t k
         _mm256_storeu_si256((__m256i *)(out + j),
                             v_stochastic(_mm512_loadu_ps(x + j), v_draw16(first + j, key0,
                                                                             key1)));
+#elif COLLAGE_VECTOR
+    for (; pairs && j + 2 * VL <= n; j += 2 * VL) {
+        vpair v = v_load_pair_f32(x, j);
+        vu index = (uint32_t)(first + j) + (v_lanes() << 1);
+        vu d = g_draw(index, (uint32_t)key0, (uint32_t)key1);
+        vu odd = g_draw(index + 1u, (uint32_t)key0, (uint32_t)key1);
+        v_store_words(out, j, v_pack(g_stochastic(v.e, d), g_stochastic(v.o, odd)));
+    }
+    for (; j + VL <= n; j += VL)
+        v_store_bf(out, j, g_stochastic(v_load_f32(x, j),
+                                        g_draw((uint32_t)(first + j) + v_lanes(),
+                                               (uint32_t)key0, (uint32_t)key1)));
 #else
     (void)pairs; /* the portable build rounds every element on the scalar path */
 #endif
@@ -47,9 +69,10 @@ int collage_stochastic_round(const float *x, int64_t n, int64_t first, int64_t k
     return 0;
 }
 
-/* out[j] = x[j] / b as the AVX-512 kernels divide by the bias correction's root
- * (v_over_bc2s, on whole vectors of 16; the probe's last partial vector by the IEEE
- * division); 0, or -1 where the build has no AVX-512 (nothing written). For tests. */
+/* out[j] = x[j] / b as the vector kernels divide by the bias correction's root
+ * (v_over_bc2s on whole vectors of 16, g_over_bc2s on whole vectors of VL; the probe's
+ * last partial vector by the IEEE division); 0, or -1 in the portable build (nothing
+ * written). For tests. */
 int collage_probe_over_bc2s(const float *x, int64_t n, float b, float *out) {
 #if COLLAGE_AVX512
     vcoeffs c;
@@ -57,6 +80,14 @@ int collage_probe_over_bc2s(const float *x, int64_t n, float b, float *out) {
     c.rbc2s = _mm512_set1_ps(1.0f / b);
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) _mm512_storeu_ps(out + j, v_over_bc2s(&c, _mm512_loadu_ps(x + j)));
+    for (; j < n; j++) out[j] = x[j] / b;
+    return 0;
+#elif COLLAGE_VECTOR
+    gcoeffs c;
+    c.bc2s = v_splat(b);
+    c.rbc2s = v_splat(1.0f / b);
+    int64_t j = 0;
+    for (; j + VL <= n; j += VL) v_store_f32(out, j, g_over_bc2s(&c, v_load_f32(x, j)));
     for (; j < n; j++) out[j] = x[j] / b;
     return 0;
 #else
@@ -96,6 +127,21 @@ int collage_residual_pairs(const float *x, int64_t n, uint16_t *hi, uint16_t *lo
         if (bad) v_residual_pair(v, 1, &bad, &h, &l);
         _mm256_storeu_si256((__m256i *)(hi + j), h);
         _mm256_storeu_si256((__m256i *)(lo + j), l);
+    }
+#elif COLLAGE_VECTOR
+    for (; pairs && j + 2 * VL <= n; j += 2 * VL) {
+        vpair v = v_load_pair_f32(x, j);
+        vu he, le, ho, lo_;
+        g_residual_pair(v.e, &he, &le);
+        g_residual_pair(v.o, &ho, &lo_);
+        v_store_words(hi, j, v_pack(he, ho));
+        v_store_words(lo, j, v_pack(le, lo_));
+    }
+    for (; j + VL <= n; j += VL) {
+        vu h, l;
+        g_residual_pair(v_load_f32(x, j), &h, &l);
+        v_store_bf(hi, j, h);
+        v_store_bf(lo, j, l);
     }
 #else
     (void)pairs; /* the portable build lands every element on the scalar path */

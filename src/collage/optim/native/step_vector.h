@@ -1,0 +1,485 @@
+/* The AdamW step on VL lanes (simd.h: 8 with AVX2, 4 with NEON), one source for every
+ * width: the same float32 operations per element as step.h's scalar_element, so the same
+ * bits as the scalar build, the AVX-512 one and the foreach path (#40). Included by step.h
+ * only, where simd.h found a vector target and AVX-512 is absent.
+ *
+ * Two layouts, as step_avx512.h's two widths:
+ *   pair_block   2 VL elements as even and odd halves (simd.h's pair layout): every
+ *                strategy with bf16 weights and states, whose bf16 words split and pack
+ *                with a shift and a mask instead of conversions
+ *   plain_block  VL elements in order: fp32 and mixed (float32 states)
+ * A row's last elements (fewer than a block) take scalar_element: the reference itself.
+ *
+ * Rounding is bf_round's integer form on every lane (no instruction of these targets
+ * rounds float32 to bf16 as torch does: x86's vcvtneps2bf16 is AVX-512 or AVX-NE-CONVERT,
+ * ARM's BFCVT flushes subnormals). Results rounded to bf16 stay widened (their bits in the
+ * high halves, the low halves zero): the float value for the next operation is then a
+ * reinterpretation, and packing is a shift. */
+
+#ifndef COLLAGE_STEP_VECTOR_H
+#define COLLAGE_STEP_VECTOR_H
+
+#include "simd.h"
+
+/* the step's coefficients as vectors (filled once per row by vector_range) */
+typedef struct {
+    vf lerp, beta2, omb2, bc2s, rbc2s, eps, neg_step, decay, lr_wd, scale;
+    vu sign;   /* 0x80000000 to negate the gradient (maximize), else 0 */
+    vi small;  /* all ones: lerp weight < 0.5 (fma(w, g - m, m)), else fma(w - 1, g - m, g) */
+    vi decays; /* all ones: decay != 1 */
+} gcoeffs;
+
+/* One table row in locals (stores through the row's pointers cannot alias the table). */
+typedef struct {
+    void *w, *g, *m, *v, *vlo, *x;
+    int64_t index, key0, key1;
+} grow_t;
+
+/* ------------------------------------------------------------------------------------ */
+/* rounding on VL lanes (rounding.h's scalar helpers, lane by lane)                       */
+/* ------------------------------------------------------------------------------------ */
+
+/* all ones where x is inf or nan (the exponent field all ones); callers clear those lanes
+ * with ``& ~``, one and-not */
+static inline __attribute__((always_inline)) vu g_special(vf x) {
+    return (vu)((u_bits(x) & 0x7F800000u) == 0x7F800000u);
+}
+
+/* bf_round of a lane that is not NaN, widened: the bf16 bits in the high half, the low
+ * half zero (callers say why their lane is not NaN, or mask it after) */
+static inline __attribute__((always_inline)) vu g_round_number(vf x) {
+    vu u = u_bits(x);
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+}
+
+/* bf_round, widened; NaN -> 0xFFFF */
+static inline __attribute__((always_inline)) vu g_round(vf x) {
+    return u_select((vi)(x != x), u_splat(0xFFFF0000u), g_round_number(x));
+}
+
+/* the low part fl(x - hi) rounded, +0 where hi is not finite (hi widened). Where hi is
+ * finite x is not NaN (RN(NaN) is NaN), so neither is x - hi: the masked rounding is
+ * bf_round's wherever it is kept. */
+static inline __attribute__((always_inline)) vu g_residual(vf x, vu hi) {
+    vf h = f_bits(hi);
+    return g_round_number(x - h) & ~g_special(h);
+}
+
+/* bf_normalize: hi the nearest of the float32 sum, lo the rest */
+static inline __attribute__((always_inline)) void g_normalize(vu *hi, vu *lo) {
+    vf total = f_bits(*hi) + f_bits(*lo);
+    vu nearest = g_round(total);
+    *lo = g_residual(total, nearest);
+    *hi = nearest;
+}
+
+/* bf_residual_pair: hi = RN(x), lo = RN(x - hi), then normalised, where any lane may
+ * change. Which do: for these pairs t = fl(hi + lo) is hi + lo exactly wherever hi is
+ * finite (x - hi and lo are multiples of x's float32 ulp, |t| <= 2|x|: docs/strategies.md,
+ * "Canonical by construction", step 3; for subnormal x or x - hi, multiples of the bf16
+ * subnormal spacing or of x's ulp, far inside float32's precision), so the
+ * normalisation's rest RN(t - RN(t)) is t - hi = lo wherever RN(t) is hi -- bit for bit but
+ * for a zero's sign: a negative x - hi too small for bf16 rounds to lo = -0, where the rest
+ * is +0, so there lo + 0 (+0 for -0, every other lo itself: it is never NaN) is taken;
+ * where hi is inf or NaN, lo = +0 and t rounds to hi again. So the pair changes only where RN(t) !=
+ * hi: one sum and one rounding find it (ten operations against the seventeen of the
+ * normalisation, and no class test: subnormals and NaN included). */
+static inline __attribute__((always_inline)) void g_residual_pair(vf x, vu *hi, vu *lo) {
+    *hi = g_round(x);
+    *lo = g_residual(x, *hi);
+    /* NaN t only where hi is NaN (0xFFFF0000), which t's integer rounding gives back */
+    vu again = g_round_number(f_bits(*hi) + f_bits(*lo));
+    if (v_all((vi)(again == *hi))) *lo = u_bits(f_bits(*lo) + 0.0f);
+    else g_normalize(hi, lo);
+}
+
+/* The hash's top 16 bits for the elements ``index`` (rounding.h, v_hash_rounds: the xor
+ * shifts that do not reach them dropped, exactly) */
+static inline __attribute__((always_inline)) vu g_draw(vu index, uint32_t key0,
+                                                     uint32_t key1) {
+    vu x = index ^ key0;
+    x ^= x >> 16;
+    x *= MIX32_C1;
+    x ^= x >> 15;
+    x *= MIX32_C2;
+    x ^= key1 ^ (key1 >> 16);
+    x *= MIX32_C1;
+    x ^= x >> 15;
+    x *= MIX32_C2;
+    return x >> 16;
+}
+
+/* bf_stochastic with the draws' top 16 bits ``d``, widened: rounding.h's v_stochastic32
+ * (the proof is there), lane by lane in integer arithmetic */
+static inline __attribute__((always_inline)) vu g_stochastic(vf x, vu d) {
+    vu bits = u_bits(x);
+    vu mag = bits & 0x7FFFFFFFu;
+    vu t = mag >> 16, low = bits & 0xFFFFu;
+    vu rounded_up = (low + 0x7FFFu + (t & 1u)) >> 16;
+    vu up_from_down = (d - low) >> 31;  /* d < L */
+    vu up_from_up = (d + low) >> 16;    /* d + L >= 2**16 */
+    vu up = u_select((vi)(0u - rounded_up), up_from_up, up_from_down);
+    vu nearest = t + rounded_up, out = t + up;
+    vi keep = (vi)(nearest >= 0x7F80u) | (vi)(out >= 0x7F80u);
+    out = u_select(keep, nearest, out) | ((bits & ~mag) >> 16);
+    out = u_select((vi)(mag > 0x7F800000u), u_splat(0xFFFFu), out);
+    return out << 16;
+}
+
+/* split_encode, widened: the weight word (with its carry) and the low bits */
+static inline __attribute__((always_inline)) void g_split_encode(vf master, vu *weight,
+                                                               vu *low) {
+    vu bits = u_bits(master);
+    *low = bits << 16;
+    *weight = (bits & 0xFFFF0000u) + ((vu)((bits & 0xFFFFu) > 0x8000u) & 0x10000u);
+}
+
+/* split_decode of widened words */
+static inline __attribute__((always_inline)) vf g_split_decode(vu weight, vu low) {
+    return f_bits((weight - ((vu)(low > 0x80000000u) & 0x10000u)) | (low >> 16));
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* the step of one vector                                                                 */
+/* ------------------------------------------------------------------------------------ */
+
+/* root / bc2s correctly rounded without the divider: rounding.h's v_over_bc2s (the proof
+ * and its tests are there), lane by lane */
+static inline __attribute__((always_inline)) vf g_over_bc2s(const gcoeffs *c, vf root) {
+    vf q = root * c->rbc2s;
+    vf corrected = v_fma(-v_fma(q, c->bc2s, -root), c->rbc2s, q);
+    return v_select((vi)(root < __builtin_inff()), corrected, root);
+}
+
+/* The AdamW step from the gradient ``g``: ``m`` and ``v`` updated, the update u returned
+ * (step.h's formulas, in its order) */
+static inline __attribute__((always_inline)) vf g_adam(const int SCALED, const int BC1,
+                                                      const gcoeffs *c, vf g, vf *m, vf *v) {
+    if (SCALED) g = g / c->scale;
+    g = f_bits(u_bits(g) ^ c->sign);
+    *m = v_fma(c->lerp, g - *m, v_select(c->small, *m, g));
+    *v = v_fma(g * c->omb2, g, *v * c->beta2);
+    vf root = v_sqrt(*v);
+    if (!BC1) root = g_over_bc2s(c, root); /* x / 1 == x: see step_avx512.h's v_adam */
+    return (*m * c->neg_step) / (root + c->eps);
+}
+
+/* W * decay where decay != 1, else W itself. Without decay c->decay is 1.0f, and W * 1 is
+ * W bit for bit (no flush to zero: -0, subnormals and infinities are kept) but for a
+ * signalling NaN, which it quiets. The strategies that round the result to bf16 (every
+ * NaN to 0xFFFF) take the product, one blend fewer; fp32, mixed and split store float32
+ * bits, a NaN's payload included, and keep the blend. */
+static inline __attribute__((always_inline)) vf g_decayed(const int S, const gcoeffs *c,
+                                                         vf W) {
+    if (S == S_BF16 || S == S_STOCHASTIC || S == S_LIGHT || S == S_PLUS) return W * c->decay;
+    return v_select(c->decays, W * c->decay, W);
+}
+
+/* The outputs of one vector: bf16 ones widened, float32 ones as they are */
+typedef struct {
+    vu w, x, m, v, vlo; /* weight, second weight part, m, v, v's low part */
+    vf w32, m32, v32;   /* fp32's weight, mixed's and split's master; fp32/mixed states */
+} gout;
+
+/* The landing of the new weight into the strategy's components and the states' stores
+ * (step.h's scalar_element, case by case). ``index``: the elements' indices in their
+ * tensor (stochastic's draws). W: the float32 weight the step reads; X: kahan's
+ * compensation, light's and plus's lo. */
+static inline __attribute__((always_inline)) void g_land(const int S, const gcoeffs *c,
+                                                         const grow_t *r, vu index, vf m,
+                                                         vf v, vf u, vf W, vf X, gout *o) {
+    switch (S) {
+    case S_FP32: o->w32 = g_decayed(S, c, W) + u; break;
+    case S_MIXED:
+        o->w32 = g_decayed(S, c, W) + u;
+        o->w = g_round(o->w32);
+        break;
+    case S_BF16: o->w = g_round(g_decayed(S, c, W) + u); break;
+    case S_STOCHASTIC:
+        o->w = g_stochastic(g_decayed(S, c, W) + u,
+                            g_draw(index, (uint32_t)r->key0, (uint32_t)r->key1));
+        break;
+    case S_KAHAN: {
+        /* (-W) * lr_wd, or +0 without decay (the foreach path adds u to zeros) */
+        vf base = f_bits(u_bits(-W * c->lr_wd) & (vu)c->decays);
+        vf corrected = (base + u) + X;
+        o->w = g_round(W + corrected);
+        /* what the rounded add failed to land: exact (Sterbenz), +0 where hi is inf/nan */
+        vf hf = f_bits(o->w);
+        /* not NaN where hf is finite (then W and corrected are finite) */
+        o->x = g_round_number(corrected - (hf - W)) & ~g_special(hf);
+        g_normalize(&o->w, &o->x);
+        break;
+    }
+    case S_LIGHT:
+    case S_PLUS: g_residual_pair(g_decayed(S, c, W) + u, &o->w, &o->x); break;
+    case S_SPLIT:
+        o->w32 = g_decayed(S, c, W) + u;
+        g_split_encode(o->w32, &o->w, &o->x);
+        break;
+    }
+    if (S == S_FP32 || S == S_MIXED) {
+        o->m32 = m;
+        o->v32 = v;
+    } else {
+        o->m = g_round(m);
+        if (S == S_PLUS || S == S_SPLIT) g_residual_pair(v, &o->v, &o->vlo);
+        else o->v = g_round(v);
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* lost-update sums (measured steps)                                                      */
+/* ------------------------------------------------------------------------------------ */
+
+/* A block's float32 sums, one per lane (each lane sums at most SUM_BLOCK terms before the
+ * block is flushed into float64), and its counts */
+typedef struct {
+    vf sum[A_COUNT];
+    vi nonzero, stuck, stuck_visible; /* minus the count: compare lanes are -1 */
+} gacc;
+
+static inline void g_acc_clear(gacc *a) {
+    for (int f = 0; f < A_COUNT; f++) a->sum[f] = v_splat(0.0f);
+    a->nonzero = a->stuck = a->stuck_visible = (vi){0};
+}
+
+/* The lost-update terms of one vector (step_avx512.h's vector_measure, every lane full):
+ * ``W`` the float32 weight the step read, ``V0`` the visible weight before, ``X0`` the
+ * pair's second part before; after the step ``W1`` the float32 master (fp32, mixed, split),
+ * ``v1`` the visible weight, ``x1`` the pair's second part. */
+static inline __attribute__((always_inline)) void g_measure(const int S, const gcoeffs *c,
+                                                            vf u, vf W, vf V0, vf X0, vf W1,
+                                                            vf v1, vf x1, gacc *a) {
+    vf zero = v_splat(0.0f);
+    vf d = u - W * c->lr_wd;
+    vf e = zero, ev = zero;
+    vi stuck;
+    if (S == S_FP32 || S == S_MIXED || S == S_SPLIT) e = W1 - W;
+    if (S == S_BF16 || S == S_STOCHASTIC) e = v1 - W;
+    if (PAIR(S)) {
+        vf r0 = S == S_KAHAN ? W : V0; /* see step.h's pair_change */
+        vf sum = (v1 - r0) + (x1 - X0);
+        e = v_fma(sum, zero, sum); /* inf -> nan, as TwoSum's error term */
+        stuck = (vi)(sum == zero);
+    } else {
+        stuck = (vi)(e == zero);
+    }
+    if (SEPARATE_VISIBLE(S)) ev = v1 - (S == S_KAHAN ? W : V0);
+    vi moving = (vi)(d != zero); /* NaN moves */
+    a->sum[A_DOT_ED] = v_fma(e, d, a->sum[A_DOT_ED]);
+    a->sum[A_DD] = v_fma(d, d, a->sum[A_DD]);
+    a->sum[A_EE] = v_fma(e, e, a->sum[A_EE]);
+    a->nonzero += moving;
+    a->stuck += moving & stuck;
+    if (SEPARATE_VISIBLE(S)) {
+        a->sum[A_DOT_EVD] = v_fma(ev, d, a->sum[A_DOT_EVD]);
+        a->sum[A_EVEV] = v_fma(ev, ev, a->sum[A_EVEV]);
+        a->stuck_visible += moving & (vi)(ev == zero);
+    }
+    if (PAIR(S)) a->sum[A_CC] = v_fma(x1, x1, a->sum[A_CC]);
+}
+
+/* A block's lane sums into the row's float64 totals (each lane widened exactly) */
+static inline __attribute__((always_inline)) void g_flush(gacc *a, totals *t) {
+    for (int f = 0; f < A_COUNT; f++)
+        for (int j = 0; j < VL; j++) t->sum[f] += (double)a->sum[f][j];
+    t->nonzero += v_count(a->nonzero);
+    t->stuck += v_count(a->stuck);
+    t->stuck_visible += v_count(a->stuck_visible);
+    g_acc_clear(a);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* blocks                                                                                 */
+/* ------------------------------------------------------------------------------------ */
+
+/* VL elements in order from ``i``: fp32 and mixed (float32 weight or master and states) */
+static inline __attribute__((always_inline)) void plain_block(
+    const int S, const int G32, const int SCALED, const int MEAS, const gcoeffs *c,
+    const grow_t *r, int64_t i, gacc *a) {
+    vf g = G32 ? v_load_f32(r->g, i) : v_load_bf(r->g, i);
+    vf m = v_load_f32(r->m, i), v = v_load_f32(r->v, i);
+    vf u = g_adam(SCALED, 0, c, g, &m, &v);
+    /* fp32: the weight; mixed: the float32 master (V: the bf16 weight, measured) */
+    vf W = v_load_f32(S == S_FP32 ? r->w : r->x, i);
+    vf V = S == S_MIXED && MEAS ? v_load_bf(r->w, i) : v_splat(0.0f);
+    gout o;
+    g_land(S, c, r, (vu){0}, m, v, u, W, v_splat(0.0f), &o);
+    if (MEAS) {
+        vf zero = v_splat(0.0f);
+        g_measure(S, c, u, W, V, zero, o.w32, S == S_MIXED ? f_bits(o.w) : zero, zero, a);
+    }
+    if (S == S_FP32) {
+        v_store_f32(r->w, i, o.w32);
+    } else {
+        v_store_f32(r->x, i, o.w32);
+        v_store_bf(r->w, i, o.w);
+    }
+    v_store_f32(r->m, i, o.m32);
+    v_store_f32(r->v, i, o.v32);
+}
+
+/* One half (even or odd elements) of a pair block: the step, the landing, the terms */
+static inline __attribute__((always_inline)) void pair_half(
+    const int S, const int SCALED, const int BC1, const int MEAS, const gcoeffs *c,
+    const grow_t *r, vu index, vf g, vf m, vf v, vf Wv, vf Xv, gout *o, gacc *a) {
+    vf zero = v_splat(0.0f);
+    vf u = g_adam(SCALED, BC1, c, g, &m, &v);
+    vf W = Wv, X = zero, V = zero;
+    switch (S) {
+    case S_KAHAN: X = Xv; break;
+    case S_LIGHT:
+    case S_PLUS: /* W: hi + lo */
+        V = Wv;
+        X = Xv;
+        W = Wv + Xv;
+        break;
+    case S_SPLIT: /* Wv, Xv: the widened weight word and low bits */
+        V = Wv;
+        W = g_split_decode(u_bits(Wv), u_bits(Xv));
+        break;
+    default: break;
+    }
+    g_land(S, c, r, index, m, v, u, W, X, o);
+    if (MEAS)
+        g_measure(S, c, u, W, V, X, S == S_SPLIT ? o->w32 : zero, f_bits(o->w),
+                  PAIR(S) ? f_bits(o->x) : zero, a);
+}
+
+/* 2 VL elements from ``i`` of a strategy with bf16 weights and states (the gradient bf16,
+ * or float32 with G32), as their even and odd halves */
+static inline __attribute__((always_inline)) void pair_block(
+    const int S, const int G32, const int SCALED, const int BC1, const int MEAS,
+    const gcoeffs *c, const grow_t *r, int64_t i, gacc *a) {
+    vpair g = G32 ? v_load_pair_f32(r->g, i) : v_load_pair(r->g, i);
+    vpair m = v_load_pair(r->m, i), v = v_load_pair(r->v, i);
+    if (S == S_PLUS || S == S_SPLIT) {
+        vpair lo = v_load_pair(r->vlo, i);
+        v.e += lo.e;
+        v.o += lo.o;
+    }
+    /* split: the widened words themselves (the weight word and the low bits) */
+    vpair w = v_load_pair(r->w, i), x = {v_splat(0.0f), v_splat(0.0f)};
+    if (S != S_BF16 && S != S_STOCHASTIC) x = v_load_pair(r->x, i);
+    vu index = {0};
+    if (S == S_STOCHASTIC) index = (uint32_t)(r->index + i) + (v_lanes() << 1);
+    gout e, o;
+    pair_half(S, SCALED, BC1, MEAS, c, r, index, g.e, m.e, v.e, w.e, x.e, &e, a);
+    pair_half(S, SCALED, BC1, MEAS, c, r, index + 1u, g.o, m.o, v.o, w.o, x.o, &o, a);
+    v_store_words(r->w, i, v_pack(e.w, o.w));
+    if (S != S_BF16 && S != S_STOCHASTIC) v_store_words(r->x, i, v_pack(e.x, o.x));
+    v_store_words(r->m, i, v_pack(e.m, o.m));
+    v_store_words(r->v, i, v_pack(e.v, o.v));
+    if (S == S_PLUS || S == S_SPLIT) v_store_words(r->vlo, i, v_pack(e.vlo, o.vlo));
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* a row                                                                                  */
+/* ------------------------------------------------------------------------------------ */
+
+/* Every stream asked for COLLAGE_PREFETCH_BYTES ahead (step_avx512.h says why and how far;
+ * a prefetch changes no value and never faults) */
+#ifndef COLLAGE_PREFETCH_BYTES
+#define COLLAGE_PREFETCH_BYTES 1024
+#endif
+
+static inline __attribute__((always_inline)) void g_prefetch(const void *p, int64_t i,
+                                                             int size) {
+    if (COLLAGE_PREFETCH_BYTES > 0)
+        __builtin_prefetch((const char *)((uintptr_t)p +
+                                          (uintptr_t)(i * size + COLLAGE_PREFETCH_BYTES)),
+                           0, 3);
+}
+
+static inline __attribute__((always_inline)) void g_row_prefetch(const int S, const int G32,
+                                                                 const grow_t *r, int64_t i) {
+    const int wide = S == S_FP32 || S == S_MIXED;
+    g_prefetch(r->g, i, G32 ? 4 : 2);
+    g_prefetch(r->m, i, wide ? 4 : 2);
+    g_prefetch(r->v, i, wide ? 4 : 2);
+    if (S == S_PLUS || S == S_SPLIT) g_prefetch(r->vlo, i, 2);
+    g_prefetch(r->w, i, S == S_FP32 ? 4 : 2);
+    if (S == S_MIXED) g_prefetch(r->x, i, 4);
+    else if (S != S_FP32 && S != S_BF16 && S != S_STOCHASTIC) g_prefetch(r->x, i, 2);
+}
+
+/* one block of either layout at ``i`` (ELEMS elements) */
+#define G_PAIRED(S) ((S) != S_FP32 && (S) != S_MIXED)
+
+static inline __attribute__((always_inline)) void g_block(
+    const int S, const int G32, const int SCALED, const int BC1, const int MEAS,
+    const gcoeffs *c, const grow_t *r, int64_t i, gacc *a) {
+    if (G_PAIRED(S)) pair_block(S, G32, SCALED, BC1, MEAS, c, r, i, a);
+    else plain_block(S, G32, SCALED, MEAS, c, r, i, a);
+}
+
+/* [begin, end): whole blocks, then scalar_element for the rest; with MEAS, the lane sums
+ * flushed every VL * SUM_BLOCK elements (SUM_BLOCK terms per lane) and the row's sums
+ * written to ``out`` */
+static inline __attribute__((always_inline)) void g_loop(
+    const int S, const int G32, const int SCALED, const int BC1, const int MEAS,
+    const gcoeffs *c, const grow_t *r, int flags, const float *h, const int64_t *row,
+    int64_t begin, int64_t end, double *out) {
+    const int64_t step = G_PAIRED(S) ? 2 * VL : VL;
+    int64_t i = begin;
+    if (!MEAS) {
+        for (; i + step <= end; i += step) {
+            g_row_prefetch(S, G32, r, i);
+            g_block(S, G32, SCALED, BC1, 0, c, r, i, NULL);
+        }
+        for (; i < end; i++) scalar_element(S, G32, 0, flags, h, row, i, NULL, NULL);
+        return;
+    }
+    totals t = {{0}, 0, 0, 0};
+    gacc a;
+    g_acc_clear(&a);
+    for (; i + VL * SUM_BLOCK <= end; i += VL * SUM_BLOCK) {
+#pragma GCC unroll 1
+        for (int64_t j = 0; j < VL * SUM_BLOCK; j += step) {
+            g_row_prefetch(S, G32, r, i + j);
+            g_block(S, G32, SCALED, 0, 1, c, r, i + j, &a);
+        }
+        g_flush(&a, &t);
+    }
+    for (; i + step <= end; i += step) g_block(S, G32, SCALED, 0, 1, c, r, i, &a);
+    g_flush(&a, &t);
+    float acc[A_COUNT] = {0};
+    for (; i < end; i++) scalar_element(S, G32, 1, flags, h, row, i, acc, &t);
+    for (int f = 0; f < A_COUNT; f++) t.sum[f] += (double)acc[f];
+    write_sums(S, &t, end - begin, out);
+}
+
+static inline __attribute__((always_inline)) void vector_range(
+    const int S, const int G32, const int MEAS, int flags, const float *h,
+    const int64_t *row, int64_t begin, int64_t end, double *out) {
+    gcoeffs c;
+    int small = (flags & F_LERP_SMALL) != 0;
+    c.lerp = v_splat(small ? h[H_LERP] : h[H_LERP] - 1.0f);
+    c.small = (vi){0} - small;
+    c.decays = (vi){0} - ((flags & F_DECAY) != 0);
+    c.sign = u_splat((flags & F_MAXIMIZE) ? 0x80000000u : 0u);
+    c.beta2 = v_splat(h[H_BETA2]);
+    c.omb2 = v_splat(h[H_OMB2]);
+    c.bc2s = v_splat(h[H_BC2S]);
+    c.rbc2s = v_splat(1.0f / h[H_BC2S]);
+    c.eps = v_splat(h[H_EPS]);
+    c.neg_step = v_splat(h[H_NEG_STEP]);
+    c.decay = v_splat((flags & F_DECAY) ? h[H_DECAY] : 1.0f); /* see g_decayed */
+    c.lr_wd = v_splat(h[H_LR_WD]);
+    c.scale = v_splat(h[H_SCALE]);
+    grow_t r = {(void *)row[T_W], (void *)row[T_G], (void *)row[T_M], (void *)row[T_V],
+                (void *)row[T_VLO], (void *)row[T_X], row[T_INDEX], row[T_KEY0], row[T_KEY1]};
+    /* without the division by the bias correction only where it is taken (unmeasured
+     * steps of the paired strategies): other instantiations would only add build time */
+    if (!MEAS && G_PAIRED(S) && h[H_BC2S] == 1.0f) {
+        if (flags & F_SCALED) g_loop(S, G32, 1, 1, 0, &c, &r, flags, h, row, begin, end, out);
+        else g_loop(S, G32, 0, 1, 0, &c, &r, flags, h, row, begin, end, out);
+    } else if (flags & F_SCALED) {
+        g_loop(S, G32, 1, 0, MEAS, &c, &r, flags, h, row, begin, end, out);
+    } else {
+        g_loop(S, G32, 0, 0, MEAS, &c, &r, flags, h, row, begin, end, out);
+    }
+}
+
+#endif /* COLLAGE_STEP_VECTOR_H */
