@@ -24,8 +24,16 @@ def _fmt(x: float, digits: int = 3) -> str:
 
 
 def combine(runs: list[dict]) -> str:
-    """The markdown tables of ``runs`` (parsed JSON reports of the same sizes and rows)."""
+    """The markdown tables of ``runs`` (parsed JSON reports of the same sizes and rows),
+    after the load each run started under (its ``load``, where it recorded one)."""
     lines: list[str] = []
+    loads = [run.get("load") for run in runs]
+    if any(loads):
+        lines += ["1-minute load average before each run: " + ", ".join(
+            "not recorded" if not load or load.get("before") is None else
+            f"{load['before'][0]:.2f}" + (" (busy: times not the machine's)"
+                                          if load.get("busy") else "")
+            for load in loads), ""]
     for index, first in enumerate(runs[0]["sizes"]):
         sizes = [run["sizes"][index] for run in runs]
         if any(s["size"] != first["size"] for s in sizes):

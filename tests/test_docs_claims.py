@@ -5,7 +5,10 @@ or table that goes stale fails CI (issue #25).
   memory model derived from the strategies' components;
 * the second-moment table of docs/strategies.md (``benchmarks/second_moment.py --check``);
 * the research-plus table of docs/research_plus.md (``benchmarks/research_plus.py
-  --check``);
+  --check``); both generated tables are the same on every CPU (constant gradients,
+  elementwise arithmetic that rounds correctly on every instruction set: their ``--check``
+  passes with torch's AVX2 and portable kernels emulated, docs/compare.md "Which results
+  depend on the CPU"), so they are compared exactly everywhere;
 * docs/reliability.md's drop-in table quotes the error of an invalid hyperparameter
   passed with ``params=None`` (issue #30; the behaviours of the table's rows are tested in
   ``tests/optim/test_drop_in.py`` and ``tests/optim/test_torch_conventions.py``);

@@ -40,3 +40,13 @@ def test_combine_refuses_runs_of_different_sizes() -> None:
     other["sizes"][0]["size"] = "100m"
     with pytest.raises(ValueError, match="differ in their sizes"):
         _module().combine([_run(0.5, 1.2, 0.8, 40), other])
+
+
+def test_combine_says_which_runs_started_on_a_busy_machine() -> None:
+    runs = [_run(0.6, 1.10, 0.70, 30), _run(0.4, 1.30, 0.90, 40), _run(0.5, 1.20, 0.80, 50)]
+    runs[0]["load"] = {"before": [0.12, 0.2, 0.3], "busy": False}
+    runs[1]["load"] = {"before": [2.71, 2.0, 1.0], "busy": True}
+    table = _module().combine(runs)
+    assert table.startswith("1-minute load average before each run: 0.12, 2.71 (busy: times "
+                            "not the machine's), not recorded\n")
+    assert "load" not in _module().combine([_run(0.5, 1.2, 0.8, 40)])

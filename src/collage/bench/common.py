@@ -7,6 +7,7 @@ import datetime
 import os
 import platform
 import statistics
+import sys
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -27,6 +28,12 @@ __all__ = [
     "bytes_per_param",
     "strategy_bytes",
     "environment",
+    "cpu_kernels",
+    "load_average",
+    "load_check",
+    "warn_if_busy",
+    "busy_lines",
+    "load_1m",
     "hardware_slug",
     "summary",
 ]
@@ -156,11 +163,51 @@ def _version(package: str) -> str | None:
         return None
 
 
+#: The instruction sets, as /proc/cpuinfo names them, on which torch's CPU kernels choose
+#: their code: ATen's vector kernels (``torch.backends.cpu.get_cpu_capability()``), oneDNN's
+#: bf16 and float32 GEMMs (AVX-512 BF16, AMX) and MKL's. Two CPUs with the same model name
+#: and the same ones run the same kernels; see docs/compare.md, "Which results depend on
+#: the CPU".
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni",
+             "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+#: Variables that override those choices (the emulation of another CPU sets them).
+KERNEL_OVERRIDES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+                    "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_kernels() -> dict[str, object]:
+    """What decides which of torch's CPU kernels run, and so the last bits of a float32 or
+    bf16 computation on this machine: the CPU model, torch's CPU capability, the
+    instruction sets of :data:`ISA_FLAGS` it has, and any of :data:`KERNEL_OVERRIDES` set."""
+    flags = _cpu_flags()
+    return {
+        "cpu": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "isa": [flag for flag in ISA_FLAGS if flag in flags],
+        "overrides": {k: os.environ[k] for k in KERNEL_OVERRIDES if k in os.environ},
+    }
+
+
 def environment() -> dict[str, object]:
-    """What produced the numbers: CPU, cores, threads, date, versions."""
+    """What produced the numbers: CPU (and what decides torch's kernels on it), cores,
+    threads, date, versions, the load average when this is called."""
+    kernels = cpu_kernels()
     env: dict[str, object] = {
         "date": datetime.date.today().isoformat(),
-        "cpu": _cpu_model(),
+        "cpu": kernels["cpu"],
+        "cpu_capability": kernels["cpu_capability"],
+        "isa": kernels["isa"],
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
@@ -170,13 +217,87 @@ def environment() -> dict[str, object]:
         "torchao": _version("torchao"),
         "platform": platform.platform(),
     }
-    try:
-        env["load_average"] = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        pass
+    if kernels["overrides"]:
+        env["kernel_overrides"] = kernels["overrides"]
+    load = load_average()
+    if load is not None:
+        env["load_average"] = load
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
     return env
+
+
+# ---------------------------------------------------------------------------------------
+# a busy machine
+# ---------------------------------------------------------------------------------------
+
+
+def load_average() -> list[float] | None:
+    """The 1-, 5- and 15-minute load averages (``os.getloadavg``), None where there are
+    none."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
+#: How far the load may exceed the cores before a bench warns: an idle machine's 1-minute
+#: load is not 0 (daemons, the shell that starts the bench), and a few tenths of a core
+#: on average do not deschedule a thread for long.
+BUSY_MARGIN = 0.5
+
+
+def load_check(threads: int, cores: int | None = None) -> dict[str, object]:
+    """The load before a bench starts, and a warning (printed once on stderr by
+    :func:`warn_if_busy`, kept in the result as ``load["warning"]``) when the machine is
+    too busy for the bench's times to be the machine's.
+
+    What the load average counts: the runnable threads of every process on the machine
+    (running, or waiting for a core; on Linux also those in uninterruptible sleep),
+    averaged with time constants of 1, 5 and 15 minutes. A bench running ``threads``
+    threads adds up to ``threads`` to it while it runs, so a load read during the run
+    counts the bench itself; read before the start, it is the other work alone. Every
+    thread of the bench finds a core while that work and the bench together stay within
+    the machine's cores (``os.cpu_count()``: the load is the whole machine's):
+    ``before + threads <= cores``. Beyond, some thread waits for a core, and an OpenMP
+    region waits for its slowest thread, so one descheduled thread stalls the whole step
+    (#40: torch's fused step took 27 ms in some rounds and 416 ms in others while another
+    process used the cores). Where the bench uses every core (torch's default), this is
+    #40's rule "the load exceeds the threads in use", applied to the load the run will
+    see, ``before + threads``; with fewer threads the idle cores absorb other work first.
+
+    The 1-minute average remembers the last minute: a bench started right after another
+    reads that one's load; wait a minute and start again."""
+    cores = cores or os.cpu_count() or 1
+    before = load_average()
+    warning = None
+    if before is not None and before[0] + threads > cores + BUSY_MARGIN:
+        warning = (f"busy machine: the 1-minute load average was {before[0]:.2f} before the "
+                   f"bench started; with the bench's {threads} thread"
+                   f"{'s' if threads != 1 else ''} that makes {before[0] + threads:.2f} "
+                   f"runnable threads for {cores} core{'s' if cores != 1 else ''} (more than "
+                   f"{cores} + {BUSY_MARGIN:g}): threads will wait for a core and rounds will "
+                   f"be slow for that alone, so these times are not the machine's. Each "
+                   f"row's load is in the results; rerun on a quiet machine")
+    return {"before": before, "threads": threads, "cores": cores, "margin": BUSY_MARGIN,
+            "busy": warning is not None, "warning": warning}
+
+
+def load_1m(load: list[float] | None) -> str:
+    """The 1-minute figure of a :func:`load_average` for a table ("n/a" where none)."""
+    return f"{load[0]:.2f}" if load else "n/a"
+
+
+def busy_lines(result: dict) -> list[str]:
+    """The markdown lines that open a busy run's tables: its warning, in bold."""
+    warning = (result.get("load") or {}).get("warning")
+    return [f"**Warning: {warning}.**", ""] if warning else []
+
+
+def warn_if_busy(check: dict[str, object]) -> None:
+    """Print :func:`load_check`'s warning on stderr (once per bench, quiet or not)."""
+    if check.get("warning"):
+        print(f"collage bench: warning: {check['warning']}", file=sys.stderr, flush=True)
 
 
 def hardware_slug(env: dict[str, object]) -> str:

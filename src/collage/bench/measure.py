@@ -292,7 +292,9 @@ def _measure_candidate(cand: Candidate, size: str, shapes, n: int, base: _Baseli
     path_ran = _path_ran(step)
     warm = [timed(step)[0] for _ in range(max(settings.warmup - 1, 0))]
     rounds = _rounds(cand, warm, first, settings)
+    load_before = common.load_average()
     times = _interleaved(step, base, rounds, timed)
+    load = {"before": load_before, "after": common.load_average()}
     t = common.summary(times["c"])
     row = {
         "size": size, "n_params": n, "key": cand.key, "label": cand.label,
@@ -307,6 +309,9 @@ def _measure_candidate(cand: Candidate, size: str, shapes, n: int, base: _Baseli
         **_paired(times["b"], times["c"]),
         "speedup_vs_torch_fused_cpu": statistics.median(
             b / max(c, 1e-9) for b, c in zip(times["b_cpu"], times["c_cpu"])),
+        # the 1, 5 and 15-minute load averages before and after the row's rounds: the
+        # bench's own threads count in them (common.load_check)
+        "load_average": load,
     }
     if settings.device.type == "cuda":  # the host may run ahead there (docs/gpu.md)
         row.update(_looped(step, base.step, settings.device))
@@ -315,11 +320,12 @@ def _measure_candidate(cand: Candidate, size: str, shapes, n: int, base: _Baseli
     log(settings.quiet, f"[{size}] {row['label']:58s} {t['median'] * 1e3:9.2f} ms  "
         f"x{row['speedup_vs_torch_fused']:6.2f} vs torch fused  "
         f"{100 * row['roofline_fraction']:5.0f}% roofline  "
+        f"load {common.load_1m(load['before'])} -> {common.load_1m(load['after'])}  "
         f"({time.perf_counter() - started:.0f}s)")
     return row
 
 
-def _baseline_row(size: str, n: int, base: _Baseline) -> dict | None:
+def _baseline_row(size: str, n: int, base: _Baseline, load: dict) -> dict | None:
     """torch's fused AdamW over every round of the size (None when nothing was timed)."""
     if not base.samples["baseline"]:
         return None
@@ -331,6 +337,7 @@ def _baseline_row(size: str, n: int, base: _Baseline) -> dict | None:
         **_speed_row(BYTES[BASELINE_KEY].total, n, t, bandwidth),
         "baseline_median_s": t["median"], "speedup_range": [1.0, 1.0],
         "speedup_vs_torch_fused": 1.0, "speedup_vs_torch_fused_cpu": 1.0,
+        "load_average": load,  # at the size's start and end: its rounds span the size
     }
 
 
@@ -339,6 +346,7 @@ def measure_size(size: str, rows: list[Candidate], settings: Settings) -> dict:
     shapes = common.gpt_shapes(size)
     n = common.n_params(size)
     log(settings.quiet, f"[{size}] {n / 1e6:.2f}M parameters in {len(shapes)} tensors")
+    load_before = common.load_average()
     base = _start_baseline(shapes, n, settings)
     out_rows = []
     for cand in rows:
@@ -348,7 +356,8 @@ def measure_size(size: str, rows: list[Candidate], settings: Settings) -> dict:
     samples = base.samples
     copy_bw = 8 * n / statistics.median(samples["copy"]) if samples["copy"] else None
     add_bw = 12 * n / statistics.median(samples["add"]) if samples["add"] else None
-    base_row = _baseline_row(size, n, base)
+    base_row = _baseline_row(size, n, base,
+                             {"before": load_before, "after": common.load_average()})
     del base
     gc.collect()
     return {

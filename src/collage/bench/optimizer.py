@@ -55,7 +55,10 @@ RATIO_NOTE = (
     "what a step must move per parameter, the non-finite check's read of every gradient "
     "included where the row checks (`nonfinite=\"skip\"`, the default: "
     "`check_bytes_per_param` in the JSON); the roofline is those bytes over the measured "
-    "copy or in-place add bandwidth, whichever is higher.")
+    "copy or in-place add bandwidth, whichever is higher. load before / after: the "
+    "1-minute load average before and after the row's rounds (for torch's fused row, the "
+    "size's); the bench's own threads count in it as the run goes on, so a value well above "
+    "the threads in use means other work shared the cores.")
 
 
 def _fmt_ms(seconds: float) -> str:
@@ -64,8 +67,8 @@ def _fmt_ms(seconds: float) -> str:
 
 
 def table(result: dict) -> str:
-    """Markdown tables, one per size."""
-    lines = []
+    """Markdown tables, one per size; first the warning of a busy machine, if any."""
+    lines = common.busy_lines(result)
     for block in result["sizes"]:
         bw = [f"copy {block['copy_GBps']:.1f} GB/s" if block.get("copy_GBps") else None,
               f"in-place add {block['add_GBps']:.1f} GB/s" if block.get("add_GBps") else None]
@@ -74,18 +77,20 @@ def table(result: dict) -> str:
         lines.append("")
         lines.append("| optimizer | B/param | median ms | p90 ms | ns/param | GB/s | "
                      "roofline | torch fused ms, same rounds | x torch fused | "
-                     "x torch fused (CPU time) |")
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                     "x torch fused (CPU time) | load before | load after |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in block["rows"]:
             t = r["time_s"]
             # a step counter --start-step could not set: this row timed a fresh optimizer
             late = " (fresh: no step counter found)" if r.get("start_step", 0) is None else ""
+            load = r.get("load_average") or {}
             lines.append(
                 f"| {r['label']}{late} | {r['bytes_per_param']} | {_fmt_ms(t['median'])} | "
                 f"{_fmt_ms(t['p90'])} | {r['ns_per_param']['median']:.3g} | "
                 f"{r['GBps']:.2f} | {100 * r['roofline_fraction']:.0f}% | "
                 f"{_fmt_ms(r['baseline_median_s'])} | "
-                f"{r['speedup_vs_torch_fused']:.3g} | {r['speedup_vs_torch_fused_cpu']:.3g} |")
+                f"{r['speedup_vs_torch_fused']:.3g} | {r['speedup_vs_torch_fused_cpu']:.3g} | "
+                f"{common.load_1m(load.get('before'))} | {common.load_1m(load.get('after'))} |")
         lines += ["", RATIO_NOTE, ""]
         looped = [r for r in block["rows"] if "loop_speedup_vs_torch_fused" in r]
         if looped:
@@ -132,8 +137,9 @@ def markdown(result: dict) -> str:
         f"# Optimizer step benchmark: {env['cpu']}, {env['cores']} cores, {env['date']}",
         "",
         f"python {env['python']}, torch {env['torch']}, collage {env['collage']}, "
-        f"torch-optimi {env['optimi']}, torchao {env['torchao']}; {env['threads']} torch "
-        f"threads; load average at start {env.get('load_average')}.",
+        f"torch-optimi {env['optimi']}, torchao {env['torchao']}; torch's CPU capability "
+        f"{env.get('cpu_capability', 'not recorded')}; {env['threads']} torch threads; load "
+        f"average at start {env.get('load_average')}.",
         "",
         "Command: `collage bench optimizer " + " ".join(result["settings"]["argv"]) + "`",
         "",
@@ -283,6 +289,9 @@ def run(*, sizes=DEFAULT_SIZES, strategies=STRATEGIES, paths=DEFAULT_PATHS,
         foreach_max=2_000_000, reference_max=200_000, slow_repeats=2, compile_probe=False,
         quiet=True, argv=(), min_time=0.5, start_step=0) -> dict:
     """Run the benchmark; returns the JSON-able result."""
+    # before anything runs, so that the bench's own threads are not in it
+    load = common.load_check(torch.get_num_threads())
+    common.warn_if_busy(load)
     rows = candidates(strategies, paths, baselines, nonfinite)
     settings = Settings(repeats=repeats, warmup=warmup, device=device,
                         foreach_max=foreach_max, reference_max=reference_max,
@@ -290,6 +299,7 @@ def run(*, sizes=DEFAULT_SIZES, strategies=STRATEGIES, paths=DEFAULT_PATHS,
                         start_step=start_step)
     result = {
         "environment": common.environment(),
+        "load": load,
         "settings": {"sizes": list(sizes), "repeats": repeats, "warmup": warmup,
                      "slow_repeats": slow_repeats, "foreach_max": foreach_max,
                      "reference_max": reference_max, "device": str(device),

@@ -261,6 +261,11 @@ def run(*, modes=MODES, preset="paper-small", model=None, batch=None, steps=20, 
     every mode's steps interleaved (:func:`speed_worker`); a mode's tokens/s is the median
     over all its timed steps, its ratio to autocast the median over the steps of the ratio
     to autocast's step of the same round and index (timed moments apart)."""
+    # before anything runs, so that the bench's own threads are not in it; the workers
+    # run torch's default threads (every core) unless ``threads`` is given
+    load = common.load_check(threads or torch.get_num_threads())
+    common.warn_if_busy(load)
+    environment = common.environment()
     model = model or {}
     model_cfg, preset_batch = _model_config(preset, model)
     batch = batch or preset_batch
@@ -275,14 +280,23 @@ def run(*, modes=MODES, preset="paper-small", model=None, batch=None, steps=20, 
                     f"{row['persistent_bytes'] / 2**20:6.1f} MiB  "
                     f"({time.perf_counter() - started:.0f}s)")
     times: dict[str, list[list[float]]] = {mode: [] for mode in modes}
+    speed_rounds = []
     for r in range(rounds):
         started = time.perf_counter()
         shift = r % len(modes)
+        before = common.load_average()
         done = _run_process("speed_worker",
                             dict(spec_base, modes=list(modes[shift:] + modes[:shift])))
         for mode in modes:
             times[mode].append(done["times"][mode])
-        _log(quiet, f"speed round {r + 1}/{rounds} ({time.perf_counter() - started:.0f}s)")
+        # the 1, 5 and 15-minute load averages around the round: the bench's own threads
+        # count in them (common.load_check)
+        speed_rounds.append({"load_average": {"before": before,
+                                              "after": common.load_average()},
+                             "wall_s": time.perf_counter() - started})
+        _log(quiet, f"speed round {r + 1}/{rounds} ({time.perf_counter() - started:.0f}s, "
+                    f"load {common.load_1m(before)} -> "
+                    f"{common.load_1m(speed_rounds[-1]['load_average']['after'])})")
     tokens = batch * model_cfg.context
     for row in rows:
         mine = times[row["mode"]]
@@ -309,11 +323,13 @@ def run(*, modes=MODES, preset="paper-small", model=None, batch=None, steps=20, 
                        "value": plus["peak_vs_autocast"], "target": 0.85,
                        "holds": plus["peak_vs_autocast"] <= 0.85})
     return {
-        "environment": common.environment(),
+        "environment": environment,
+        "load": load,
         "settings": {"preset": preset, "model": dataclasses.asdict(model_cfg),
                      "batch": batch, "steps": steps, "warmup": warmup, "threads": threads,
                      "rounds": rounds, "device": str(device)},
         "rows": rows,
+        "speed_rounds": speed_rounds,
         "checks": checks,
     }
 
@@ -322,7 +338,8 @@ def table(result: dict) -> str:
     s = result["settings"]
     m = s["model"]
     n = result["rows"][0]["n_params"] if result["rows"] else 0
-    lines = [f"### GPT d_model={m['d_model']}, layers={m['n_layers']}, heads={m['n_heads']}, "
+    lines = common.busy_lines(result)
+    lines += [f"### GPT d_model={m['d_model']}, layers={m['n_layers']}, heads={m['n_heads']}, "
              f"context={m['context']}, batch={s['batch']} ({n / 1e6:.2f}M parameters"
              f"{', activation checkpointing' if m.get('checkpoint_activations') else ''}"
              f"{', MLP activation kept' if m.get('recompute_mlp') is False else ''}); "
@@ -341,6 +358,13 @@ def table(result: dict) -> str:
             f"{r['persistent_bytes'] / 2**20:.1f} | "
             f"{r['peak_rss_delta_bytes'] / 2**20:.1f} |")
     lines.append("")
+    loads = [r["load_average"] for r in result.get("speed_rounds", [])]
+    if loads:
+        lines.append("Load average (1 minute) before -> after each speed round: "
+                     + ", ".join(f"{common.load_1m(x['before'])} -> {common.load_1m(x['after'])}"
+                                 for x in loads)
+                     + " (the bench's own threads count in it as a round goes on).")
+        lines.append("")
     for c in result["checks"]:
         lines.append(f"* {c['check']}: {c['value']:.2f} (target {c['target']:g}): "
                      f"{'holds' if c['holds'] else 'does not hold'}")
