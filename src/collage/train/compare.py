@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
-from .build import initial_weights, state_checksum
+from .build import initial_weights, resolve_device, state_checksum
 from .config import Config
+from .gemm import Bf16Gemm, choose
 from .outputs import write_outputs
 from .report import fmt
 from .runner import train_strategy
@@ -54,14 +55,16 @@ class _Task:
     jobs: int  # runs trained at the same time (recorded in the summary)
     directory: str | None
     checkpoint_every: int
+    gemm: Bf16Gemm | None  # --bf16-gemm, decided once for every run of the comparison
 
 
-def _task(config: Config, run: Run, out_dir: str, threads: int | None, jobs: int) -> _Task:
+def _task(config: Config, run: Run, out_dir: str, threads: int | None, jobs: int,
+          gemm: Bf16Gemm | None) -> _Task:
     keep = config.run.resume
     return _Task(config=run_config(config, run).to_dict(), strategy=run.strategy,
                  beta2=run.beta2, label=run.label, threads=threads, jobs=jobs,
                  directory=run_dir(out_dir, run) if keep else None,
-                 checkpoint_every=config.run.checkpoint_every)
+                 checkpoint_every=config.run.checkpoint_every, gemm=gemm)
 
 
 def _run_one(task: _Task, init: dict[str, torch.Tensor], isolated: bool,
@@ -75,7 +78,7 @@ def _run_one(task: _Task, init: dict[str, torch.Tensor], isolated: bool,
     with training_lock(task.directory) if task.directory else nullcontext():
         result = train_strategy(config, task.strategy, beta2=task.beta2, init=init,
                                 label=task.label, progress=progress, threads=task.threads,
-                                **kept)
+                                gemm=task.gemm, **kept)
         summary = result["summary"]
         summary["wall_time_s"] = time.perf_counter() - t0
         summary["isolated"] = isolated
@@ -173,7 +176,12 @@ def compare(config: Config, out_dir: str, *, log=print) -> list[dict[str, Any]]:
     finished = sum(result is not None for result in results)
     if say and finished:
         say(f"{finished} of {len(runs)} runs already finished in {out_dir}")
-    tasks = {i: _task(config, runs[i], out_dir, threads, n_jobs) for i in pending}
+    # one decision for all runs (a probe per child could differ on a busy machine)
+    gemm = choose(config.run.bf16_gemm, resolve_device(config.run.device)) if pending \
+        else None
+    if say and gemm is not None and not config.run.quiet:
+        say(f"bf16 matrix multiplies: {gemm.describe()}")
+    tasks = {i: _task(config, runs[i], out_dir, threads, n_jobs, gemm) for i in pending}
     try:
         if config.run.isolate:
             _run_isolated(config, runs, tasks, inits, out_dir, n_jobs, results, bar, say)

@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import UsageError
 from ..optim import STRATEGIES
 from ..optim.backward import GRAD_ACCUMULATIONS
+from .gemm import MODES as GEMM_MODES
 
 __all__ = [
     "Config",
@@ -262,6 +263,12 @@ class RunConfig:
     device: str = _opt("cpu", "cpu, cuda, or auto (cuda when available)", choices=DEVICES)
     threads: int | None = _opt(None, "torch CPU threads per process (none: compare uses "
                                "cores / jobs, train torch's default)")
+    bf16_gemm: str = _opt("auto", "how a bf16 model multiplies matrices: bf16 (torch's bf16 "
+                          "GEMM), fp32 (float32 GEMMs on the upcast operands, each result "
+                          "rounded to bf16: the same values up to the order of the sums, "
+                          "many times faster on CPUs without bf16 instructions), auto (fp32 "
+                          "when a timed probe finds bf16 GEMMs slow; docs/compare.md)",
+                          choices=GEMM_MODES, commands=("train", "compare"))
     out: str | None = _opt(None, "output directory (none: runs/<command>-<preset>)",
                            metavar="DIR")
     quiet: bool = _opt(False, "no progress bar")
@@ -314,6 +321,9 @@ class RunConfig:
         if self.device not in DEVICES:
             _fail("run", "device", f"unknown device {self.device!r}; valid: "
                   + ", ".join(DEVICES))
+        if self.bf16_gemm not in GEMM_MODES:
+            _fail("run", "bf16_gemm", f"unknown mode {self.bf16_gemm!r}; valid: "
+                  + ", ".join(GEMM_MODES))
         valid = strategies()
         for name in self.strategies:
             if name not in valid:
@@ -392,6 +402,9 @@ class Config:
         if hooked and self.run.nproc > 1:
             raise UsageError("--step-in-backward and --grad-accumulation pair run before "
                              "DDP's all-reduce (docs/memory.md): use --nproc 1")
+        if self.model.hf and self.run.bf16_gemm == "fp32":
+            raise UsageError("--bf16-gemm fp32: transformers' modules (--hf) multiply with "
+                             "torch's kernels; use --bf16-gemm auto or bf16")
         if self.data.tokenizer != "bytes" and self.model.family == "bert":
             raise UsageError("--tokenizer bpe: the masked LM (bert) masks with the byte "
                              "vocabulary's [MASK] id; use --tokenizer bytes")

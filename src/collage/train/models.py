@@ -11,7 +11,9 @@ c_attn``, ``model.layers.0.self_attn.q_proj``, ``bert.encoder.layer.0.attention.
 ...) so that :func:`collage.metrics.module_family` sorts them into embedding / attention /
 mlp / norm / head. Every model maps token ids ``(B, T)`` to logits ``(B, T, vocab)``.
 Normalisations and the softmax of attention compute internally in float32 (as PyTorch's own
-kernels do), so the same code runs in float32 and in bfloat16.
+kernels do), so the same code runs in float32 and in bfloat16. The linear layers and the
+attention of a bf16 model multiply with torch's bf16 kernels, or as float32 GEMMs rounded
+to bf16 where those are slow (``collage.train.gemm.set_mode``; ``--bf16-gemm``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 
 from ..errors import UsageError
 from .config import FAMILIES, ModelConfig
+from .gemm import Linear, attention
 
 __all__ = ["FAMILIES", "GPT", "Llama", "Bert", "build_model", "logits_of", "is_causal"]
 
@@ -44,10 +47,11 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
-def _attention(q, k, v, causal: bool, dropout: float, training: bool) -> torch.Tensor:
-    return F.scaled_dot_product_attention(
-        q, k, v, is_causal=causal, dropout_p=dropout if training else 0.0
-    )
+def _attention(q, k, v, causal: bool, dropout: float, training: bool,
+               mode: str) -> torch.Tensor:
+    """Scaled dot-product attention; ``mode`` is the module's ``bf16_gemm``
+    (``collage.train.gemm``: torch's bf16 kernel, or float32 rounded to bf16)."""
+    return attention(q, k, v, causal=causal, dropout=dropout if training else 0.0, mode=mode)
 
 
 def _heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -170,23 +174,26 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class GPTAttention(nn.Module):
+    bf16_gemm = "bf16"  # collage.train.gemm.set_mode
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.dropout = cfg.n_heads, cfg.dropout
-        self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.c_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.c_attn = Linear(cfg.d_model, 3 * cfg.d_model)
+        self.c_proj = Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.c_attn(x).split(x.shape[-1], dim=2)
         q, k, v = (_heads(t, self.n_heads) for t in (q, k, v))
-        return self.c_proj(_merge(_attention(q, k, v, True, self.dropout, self.training)))
+        a = _attention(q, k, v, True, self.dropout, self.training, self.bf16_gemm)
+        return self.c_proj(_merge(a))
 
 
 class GPTMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(cfg.d_model, cfg.ffn_dim)
-        self.c_proj = nn.Linear(cfg.ffn_dim, cfg.d_model)
+        self.c_fc = Linear(cfg.d_model, cfg.ffn_dim)
+        self.c_proj = Linear(cfg.ffn_dim, cfg.d_model)
         self.recompute = cfg.recompute_mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -223,7 +230,7 @@ class GPT(nn.Module):
                 "ln_f": nn.LayerNorm(cfg.d_model),
             }
         )
-        self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        self.lm_head = Linear(cfg.d_model, vocab_size, bias=False)
         self.checkpoint_activations = cfg.checkpoint_activations
         if cfg.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight
@@ -254,28 +261,31 @@ def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
+    bf16_gemm = "bf16"  # collage.train.gemm.set_mode
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.d_model
         self.n_heads, self.dropout, self.theta = cfg.n_heads, cfg.dropout, cfg.rope_theta
-        self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.v_proj = nn.Linear(d, d, bias=False)
-        self.o_proj = nn.Linear(d, d, bias=False)
+        self.q_proj = Linear(d, d, bias=False)
+        self.k_proj = Linear(d, d, bias=False)
+        self.v_proj = Linear(d, d, bias=False)
+        self.o_proj = Linear(d, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = _rope(_heads(self.q_proj(x), self.n_heads), self.theta)
         k = _rope(_heads(self.k_proj(x), self.n_heads), self.theta)
         v = _heads(self.v_proj(x), self.n_heads)
-        return self.o_proj(_merge(_attention(q, k, v, True, self.dropout, self.training)))
+        a = _attention(q, k, v, True, self.dropout, self.training, self.bf16_gemm)
+        return self.o_proj(_merge(a))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+        self.gate_proj = Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.up_proj = Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.down_proj = Linear(cfg.ffn_dim, cfg.d_model, bias=False)
         self.recompute = cfg.recompute_mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -307,7 +317,7 @@ class Llama(nn.Module):
         self.model.embed_tokens = nn.Embedding(vocab_size, cfg.d_model)
         self.model.layers = nn.ModuleList(LlamaLayer(cfg) for _ in range(cfg.n_layers))
         self.model.norm = RMSNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        self.lm_head = Linear(cfg.d_model, vocab_size, bias=False)
         self.checkpoint_activations = cfg.checkpoint_activations
         if cfg.tie_weights:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -327,29 +337,31 @@ class Llama(nn.Module):
 class BertLayer(nn.Module):
     """Post-LN encoder layer with BERT's module names."""
 
+    bf16_gemm = "bf16"  # its attention's (collage.train.gemm.set_mode)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.d_model
         self.n_heads, self.p = cfg.n_heads, cfg.dropout
         self.attention = nn.Module()
         self.attention.self = nn.Module()
-        self.attention.self.query = nn.Linear(d, d)
-        self.attention.self.key = nn.Linear(d, d)
-        self.attention.self.value = nn.Linear(d, d)
+        self.attention.self.query = Linear(d, d)
+        self.attention.self.key = Linear(d, d)
+        self.attention.self.value = Linear(d, d)
         self.attention.output = nn.Module()
-        self.attention.output.dense = nn.Linear(d, d)
+        self.attention.output.dense = Linear(d, d)
         self.attention.output.LayerNorm = nn.LayerNorm(d, eps=1e-12)
         self.intermediate = nn.Module()
-        self.intermediate.dense = nn.Linear(d, cfg.ffn_dim)
+        self.intermediate.dense = Linear(d, cfg.ffn_dim)
         self.output = nn.Module()
-        self.output.dense = nn.Linear(cfg.ffn_dim, d)
+        self.output.dense = Linear(cfg.ffn_dim, d)
         self.output.LayerNorm = nn.LayerNorm(d, eps=1e-12)
         self.recompute = cfg.recompute_mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, o = self.attention.self, self.attention.output
         q, k, v = (_heads(m(x), self.n_heads) for m in (s.query, s.key, s.value))
-        a = _merge(_attention(q, k, v, False, self.p, self.training))
+        a = _merge(_attention(q, k, v, False, self.p, self.training, self.bf16_gemm))
         x = o.LayerNorm(x + F.dropout(o.dense(a), self.p, self.training))
         pre = self.intermediate.dense(x)
         h = _recomputed_input_linear(self.output.dense, F.gelu, pre) if self.recompute \
@@ -374,9 +386,9 @@ class Bert(nn.Module):
         self.cls = nn.Module()
         self.cls.predictions = nn.Module()
         self.cls.predictions.transform = nn.Module()
-        self.cls.predictions.transform.dense = nn.Linear(d, d)
+        self.cls.predictions.transform.dense = Linear(d, d)
         self.cls.predictions.transform.LayerNorm = nn.LayerNorm(d, eps=1e-12)
-        self.cls.predictions.decoder = nn.Linear(d, vocab_size)
+        self.cls.predictions.decoder = Linear(d, vocab_size)
         if cfg.tie_weights:
             self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
         _init_weights(self, cfg.init_std, cfg.n_layers, residual_names=())

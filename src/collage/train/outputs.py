@@ -22,7 +22,7 @@ from .plots import write_plots
 from .report import report_markdown
 from .runs import Run
 
-__all__ = ["CSV_FIELDS", "environment", "write_json", "write_outputs"]
+__all__ = ["CSV_FIELDS", "environment", "machine", "write_json", "write_outputs"]
 
 CSV_FIELDS = (
     "label", "strategy", "beta2", "final_val_loss", "final_val_ppl", "val_loss_vs_fp32",
@@ -30,7 +30,7 @@ CSV_FIELDS = (
     "imprecision_visible_mean", "tokens_per_s", "train_time_s", "wall_time_s",
     "cpu_time_s", "persistent_bytes", "bytes_per_param_measured", "bytes_per_param_model",
     "peak_memory_bytes", "peak_memory_measured", "optimizer_step_peak_bytes",
-    "process_peak_rss_bytes", "rss_before_bytes", "n_params", "steps",
+    "process_peak_rss_bytes", "rss_before_bytes", "n_params", "steps", "bf16_gemm",
 )
 #: Columns added with several learning rates, and with several seeds.
 CSV_SWEEP_FIELDS = ("lr", "best_lr")
@@ -48,6 +48,17 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def machine(device: str = "cpu") -> dict[str, Any]:
+    """What a run's exact figures depend on: the CPU model, the vector kernels torch
+    dispatches to on it (``torch.backends.cpu.get_cpu_capability()``), torch's version,
+    and the GPU when the run used one."""
+    found = {"cpu": _cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+             "torch": torch.__version__}
+    if device != "cpu" and torch.cuda.is_available():
+        found["gpu"] = torch.cuda.get_device_name(0)
+    return found
+
+
 def environment(device: str = "cpu") -> dict[str, Any]:
     """Versions and machine, for the report."""
     env = {
@@ -56,6 +67,7 @@ def environment(device: str = "cpu") -> dict[str, Any]:
         "collage": collage.__version__,
         "platform": platform.platform(),
         "cpu": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import Config
+from .gemm import Bf16Gemm
 from .report_sweeps import (
     best_lr_section,
     fmt,
@@ -60,7 +61,36 @@ def _title(config: Config, records: list[dict[str, Any]], wall_time_s: float) ->
                 f"({first['n_params']:,} parameters) from the same float32 initial weights "
                 f"(checksum `{first['init_checksum']}`) on the same batches")
     return [f"# collage compare: preset `{config.preset}`", "",
-            f"{what}; total wall time {wall_time_s:.0f} s.", ""]
+            f"{what}; total wall time {wall_time_s:.0f} s.", ""] + _machine(records)
+
+
+def _machine(records: list[dict[str, Any]]) -> list[str]:
+    """The machine the runs' exact figures came from (they depend on the CPU and torch's
+    kernels), one line per distinct machine, and how their bf16 matrix products were
+    computed; nothing for records that do not say (made before they did)."""
+    machines: list[dict[str, Any]] = []
+    for m in (r["machine"] for r in records if r.get("machine")):
+        if m not in machines:
+            machines.append(m)
+    lines = [f"Machine: {m['cpu']}" + (f", {m['gpu']}" if m.get("gpu") else "")
+             + f", torch {m['torch']} (CPU capability {m['cpu_capability']})."
+             for m in machines]
+    gemm = _gemm(records)
+    if gemm:
+        lines.append(f"bf16 matrix multiplies: {gemm}.")
+    return [part for line in lines for part in (line, "")]
+
+
+def _gemm(records: list[dict[str, Any]]) -> str | None:
+    """How the runs' bf16 matrix products were computed: one description when the runs
+    with bf16 weights agree (the float32 run has none to describe), else one per group."""
+    groups: dict[str, list[str]] = {}
+    for r in records:
+        if "bf16_gemm" in r and r["bf16_gemm"] is not None:
+            groups.setdefault(Bf16Gemm.from_record(r).describe(), []).append(r["label"])
+    if len(groups) <= 1:
+        return next(iter(groups), None)
+    return "; ".join(f"{', '.join(labels)}: {text}" for text, labels in groups.items())
 
 
 def _table(records: list[dict[str, Any]], swept: bool) -> list[str]:

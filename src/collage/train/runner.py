@@ -32,6 +32,7 @@ from .build import (
     prepare_model,
     resolve_device,
     state_checksum,
+    weight_dtype,
 )
 from .checkpoint import (
     CHECKPOINT_NAME,
@@ -43,9 +44,11 @@ from .checkpoint import (
 from .config import Config
 from .data import Batches, Corpus, load_corpus, make_batches
 from .distributed import Ranks, setup
+from .gemm import Bf16Gemm, choose, set_mode
 from .history import family_means, mean, new_history, record_stats, tail_mean
 from .memory import TensorMemoryProbe, current_rss_bytes, peak_rss_bytes, persistent_bytes
 from .models import is_causal
+from .outputs import machine
 from .step import clip_gradients, evaluate, rank_loss, token_loss
 
 __all__ = ["Session", "train_strategy"]
@@ -96,6 +99,7 @@ class Session:
     init_checksum: str
     model: nn.Module
     net: nn.Module  # the model, wrapped in DDP when distributed
+    gemm: Bf16Gemm | None  # how its bf16 products are computed; None: float32 weights
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
     checkpoint: str | None  # its path; None: no checkpoints
@@ -116,12 +120,25 @@ class Session:
         self.history: dict[str, Any] = new_history()
 
 
+def _bf16_gemm(config: Config, strategy: str, device: torch.device,
+               given: Bf16Gemm | None) -> Bf16Gemm | None:
+    """How the run's bf16 matrix products are computed (``--bf16-gemm``): ``given`` (a
+    comparison decides once for all its runs), else chosen here; None for float32 weights,
+    whose products are float32 GEMMs anyway. transformers' modules (``--hf``) keep torch's
+    kernels."""
+    if weight_dtype(strategy) != torch.bfloat16:
+        return None
+    if config.model.hf:
+        return Bf16Gemm("bf16", config.run.bf16_gemm)
+    return given or choose(config.run.bf16_gemm, device)
+
+
 def _start(config: Config, strategy: str, *, beta2: float,
            init: dict[str, torch.Tensor] | None, threads: int | None, distributed: bool,
            out_dir: str | None, checkpoint_every: int | None, label: str,
-           log: Callable[[str], None] | None) -> Session:
+           log: Callable[[str], None] | None, gemm: Bf16Gemm | None) -> Session:
     """Threads, device and ranks; the data; the model from ``init`` (default: built from the
-    seed), its optimizer and schedule."""
+    seed) with its GEMM mode, its optimizer and schedule."""
     run = config.run
     if threads or run.threads:
         torch.set_num_threads(threads or run.threads)
@@ -136,7 +153,9 @@ def _start(config: Config, strategy: str, *, beta2: float,
     init = initial_weights(config) if init is None else init
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model = prepare_model(config, strategy, init, device)
+    gemm = _bf16_gemm(config, strategy, device, gemm)
+    model = prepare_model(config, strategy, init, device,
+                          bf16_gemm=gemm.mode if gemm else "bf16")
     model.train()
     opt = make_optimizer(model, config.optim, strategy, beta2=beta2, track_every=run.track_every,
                          seed=run.seed)
@@ -147,7 +166,7 @@ def _start(config: Config, strategy: str, *, beta2: float,
         ranks=ranks, corpus=corpus, train_batches=train_batches,
         val_batches=val_source.fixed(run.eval_batches), init_checksum=state_checksum(init),
         model=model, net=_data_parallel(model, device) if ranks.distributed else model,
-        opt=opt, sched=sched,
+        gemm=gemm, opt=opt, sched=sched,
         checkpoint=os.path.join(out_dir, CHECKPOINT_NAME) if out_dir else None,
         checkpoint_every=checkpoint_every, log=log if ranks.main else None,
         rss_start=rss_start, cpu_start=cpu_start, wall_start=wall_start)
@@ -164,10 +183,21 @@ def _resume(s: Session, out_dir: str | None) -> None:
         s.history = payload["history"]
         s.start_step = payload["step"]
         s.elapsed_train, s.tokens_timed, s.time_timed = payload["timing"]
+        _continue_gemm(s, payload.get("bf16_gemm"))
         if s.log:
             s.log(f"resuming {s.strategy} from step {s.start_step} ({s.checkpoint})")
     elif s.log:
         s.log(f"no checkpoint in {out_dir}; starting {s.strategy} at step 0")
+
+
+def _continue_gemm(s: Session, recorded: dict[str, Any] | None) -> None:
+    """A resumed ``auto`` run keeps the GEMM mode it started with (a probe on a busy
+    machine could decide otherwise, and one run would mix two arithmetics); a forced mode
+    equals the recorded one, or the configurations would differ."""
+    if recorded is None or s.gemm is None or s.config.run.bf16_gemm != "auto":
+        return
+    s.gemm = Bf16Gemm.from_record(recorded)
+    set_mode(s.model, s.gemm.mode)
 
 
 def _save(s: Session, step: int, rng: dict[str, Any]) -> None:
@@ -180,6 +210,7 @@ def _save(s: Session, step: int, rng: dict[str, Any]) -> None:
         "optimizer": s.opt.state_dict(), "scheduler": s.sched.state_dict(),
         "data_position": s.train_batches.position(step), "rng": rng,
         "history": s.history, "timing": (s.elapsed_train, s.tokens_timed, s.time_timed),
+        "bf16_gemm": s.gemm.record() if s.gemm else None,
     }, s.checkpoint)
 
 
@@ -406,6 +437,8 @@ def _summary(s: Session, done: int, probe: _StepProbe) -> dict[str, Any]:
         "device": str(s.device),
         "threads": torch.get_num_threads(),
         "world_size": s.ranks.world_size,
+        **(s.gemm.record() if s.gemm else Bf16Gemm(None, s.config.run.bf16_gemm).record()),
+        "machine": machine(s.device.type),
     }
 
 
@@ -424,6 +457,7 @@ def train_strategy(
     progress: Callable[[int], None] | None = None,
     threads: int | None = None,
     distributed: bool = False,
+    gemm: Bf16Gemm | None = None,
 ) -> dict[str, Any]:
     """Train ``strategy`` for ``config.run.steps`` steps; return ``{"summary", "history"}``.
 
@@ -434,7 +468,8 @@ def train_strategy(
     checkpoint, as an interruption would (``resume`` continues it). KeyboardInterrupt also
     writes a checkpoint of the last completed step before it propagates. ``progress(n)`` is
     called after every step (instead of showing a progress bar); ``threads`` overrides
-    ``config.run.threads``.
+    ``config.run.threads``; ``gemm``, the ``--bf16-gemm`` decision (default: made here,
+    the probe once per process).
 
     ``distributed``: this process is one rank of a launcher (torchrun); join the process
     group, train the model wrapped in DDP on this rank's slice of each global batch, and
@@ -443,11 +478,13 @@ def train_strategy(
     run = config.run
     s = _start(config, strategy, beta2=config.optim.beta2 if beta2 is None else beta2,
                init=init, threads=threads, distributed=distributed, out_dir=out_dir,
-               checkpoint_every=checkpoint_every, label=label or strategy, log=log)
+               checkpoint_every=checkpoint_every, label=label or strategy, log=log, gemm=gemm)
     torch.manual_seed(run.seed + 1)  # dropout; stochastic rounding draws from the optimizer
     random.seed(run.seed + 1)
     if resume:
         _resume(s, out_dir)
+    if s.log is not None and s.gemm is not None and gemm is None:  # compare logs its own
+        s.log(f"bf16 matrix multiplies: {s.gemm.describe()}")
     end = run.steps if stop_after is None else min(stop_after, run.steps)
     if not progress:
         s.bar = _progress(run.steps, s.start_step, s.label, run.quiet or not s.ranks.main)
