@@ -53,6 +53,9 @@ typedef uint32_t vu __attribute__((vector_size(COLLAGE_VECTOR_BYTES)));
 typedef int32_t vi __attribute__((vector_size(COLLAGE_VECTOR_BYTES)));
 /* VL 16-bit words: half a vector */
 typedef uint16_t vh __attribute__((vector_size(COLLAGE_VECTOR_BYTES / 2)));
+/* 2 VL 16-bit words, unsigned and signed: a whole vector */
+typedef uint16_t vw __attribute__((vector_size(COLLAGE_VECTOR_BYTES)));
+typedef int16_t vs __attribute__((vector_size(COLLAGE_VECTOR_BYTES)));
 
 /* fma(a, b, c) = a * b + c rounded once; sqrt correctly rounded */
 static inline __attribute__((always_inline)) vf v_fma(vf a, vf b, vf c) {
@@ -72,6 +75,17 @@ static inline __attribute__((always_inline)) vf v_sqrt(vf x) {
     return (vf)_mm256_sqrt_ps((__m256)x);
 #else
     return (vf)_mm_sqrt_ps((__m128)x);
+#endif
+}
+
+/* (a + b + 1) >> 1 on 16-bit lanes, the sum in 17 bits */
+static inline __attribute__((always_inline)) vw v_avg16(vw a, vw b) {
+#if defined(__aarch64__)
+    return (vw)vrhaddq_u16((uint16x8_t)a, (uint16x8_t)b);
+#elif COLLAGE_VECTOR_BYTES == 32
+    return (vw)_mm256_avg_epu16((__m256i)a, (__m256i)b);
+#else
+    return (vw)_mm_avg_epu16((__m128i)a, (__m128i)b);
 #endif
 }
 

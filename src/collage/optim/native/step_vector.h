@@ -27,6 +27,8 @@ typedef struct {
     vu sign;   /* 0x80000000 to negate the gradient (maximize), else 0 */
     vi small;  /* all ones: lerp weight < 0.5 (fma(w, g - m, m)), else fma(w - 1, g - m, g) */
     vi decays; /* all ones: decay != 1 */
+    /* stochastic: products[l][h] lane j = (l ^ (2 j + h)) * C1 (g_hash_block) */
+    vu products[2 * VL][2];
 } gcoeffs;
 
 /* One table row in locals (stores through the row's pointers cannot alias the table). */
@@ -73,6 +75,19 @@ static inline __attribute__((always_inline)) void g_normalize(vu *hi, vu *lo) {
     *hi = nearest;
 }
 
+/* bf_normalize of kahan's pair, where any lane may change it. Kahan's lo may lie below
+ * hi's last float32 place (docs/strategies.md, at kahan), so t = fl(hi + lo) may not be
+ * hi + lo; where it is, fl(t - hi) == lo, and where moreover RN(t) is hi the
+ * normalisation gives back (hi, lo), but +0 for a -0 lo (its rest fl(t - hi) is then
+ * +0). Where hi is inf or NaN lo is +0 already; a NaN t fails the second test. Two
+ * compares against the normalisation's second rounding and its mask. */
+static inline __attribute__((always_inline)) void g_normalize_kahan(vu *hi, vu *lo) {
+    vf h = f_bits(*hi), l = f_bits(*lo), t = h + l;
+    vi same = (vi)(g_round_number(t) == *hi) & (vi)((t - h) == l);
+    if (v_all(same)) *lo = u_bits(l + 0.0f);
+    else g_normalize(hi, lo);
+}
+
 /* bf_residual_pair: hi = RN(x), lo = RN(x - hi), then normalised, where any lane may
  * change. Which do: for these pairs t = fl(hi + lo) is hi + lo exactly wherever hi is
  * finite (x - hi and lo are multiples of x's float32 ulp, |t| <= 2|x|: docs/strategies.md,
@@ -93,20 +108,29 @@ static inline __attribute__((always_inline)) void g_residual_pair(vf x, vu *hi, 
     else g_normalize(hi, lo);
 }
 
-/* The hash's top 16 bits for the elements ``index`` (rounding.h, v_hash_rounds: the xor
- * shifts that do not reach them dropped, exactly) */
-static inline __attribute__((always_inline)) vu g_draw(vu index, uint32_t key0,
+/* the hash's rounds after its first product p = (x ^ (x >> 16)) * C1, x = index ^ key0 */
+static inline __attribute__((always_inline)) vu g_hash_rounds(vu p, uint32_t key1) {
+    p ^= p >> 15;
+    p *= MIX32_C2;
+    p ^= key1 ^ (key1 >> 16);
+    p *= MIX32_C1;
+    p ^= p >> 15;
+    return p * MIX32_C2;
+}
+
+/* The hash z of the elements ``index`` whose top 16 bits are their draws' (rounding.h,
+ * v_hash_rounds: the xor-shifts that do not reach them dropped, exactly) */
+static inline __attribute__((always_inline)) vu g_hash(vu index, uint32_t key0,
                                                      uint32_t key1) {
     vu x = index ^ key0;
     x ^= x >> 16;
-    x *= MIX32_C1;
-    x ^= x >> 15;
-    x *= MIX32_C2;
-    x ^= key1 ^ (key1 >> 16);
-    x *= MIX32_C1;
-    x ^= x >> 15;
-    x *= MIX32_C2;
-    return x >> 16;
+    return g_hash_rounds(x * MIX32_C1, key1);
+}
+
+/* the draws' top 16 bits (the low 16 of each lane) */
+static inline __attribute__((always_inline)) vu g_draw(vu index, uint32_t key0,
+                                                     uint32_t key1) {
+    return g_hash(index, key0, key1) >> 16;
 }
 
 /* bf_stochastic with the draws' top 16 bits ``d``, widened: rounding.h's v_stochastic32
@@ -124,6 +148,25 @@ static inline __attribute__((always_inline)) vu g_stochastic(vf x, vu d) {
     out = u_select(keep, nearest, out) | ((bits & ~mag) >> 16);
     out = u_select((vi)(mag > 0x7F800000u), u_splat(0xFFFFu), out);
     return out << 16;
+}
+
+/* g_stochastic of 2 VL elements (the even and odd halves, with their hashes ``ze`` and
+ * ``zo``), packed in element order: rounding.h's v_stochastic2 (the proof is there) on
+ * 16-bit lanes, both halves at once: with H the high halves (sign and t), L the low ones
+ * and d the draws, rounded up is the top bit of avg(L, 0x7FFE | (H & 1)), up is L > (d ^
+ * rounded up's mask), and the result H + up. Blocks with a lane at or above the largest
+ * finite truncation (t >= 0x7F7F: a step may reach infinity; infinities, NaN) take
+ * g_stochastic, which handles them. */
+static inline __attribute__((always_inline)) vu g_stochastic2(vpair x, vu ze, vu zo) {
+    vu be = u_bits(x.e), bo = u_bits(x.o);
+    vw high = (vw)((be >> 16) | (bo & 0xFFFF0000u));
+    vw low = (vw)((be & 0xFFFFu) | (bo << 16));
+    vw d = (vw)((ze >> 16) | (zo & 0xFFFF0000u));
+    vw rounded_up = (vw)((vs)v_avg16(low, (high & 1) | 0x7FFE) >> 15);
+    vw up = (vw)(low > (d ^ rounded_up)); /* all ones: minus one */
+    if (__builtin_expect(v_any((vi)((high & 0x7FFF) >= 0x7F7F)), 0))
+        return v_pack(g_stochastic(x.e, ze >> 16), g_stochastic(x.o, zo >> 16));
+    return (vu)(high - up);
 }
 
 /* split_encode, widened: the weight word (with its carry) and the low bits */
@@ -182,12 +225,11 @@ typedef struct {
 } gout;
 
 /* The landing of the new weight into the strategy's components and the states' stores
- * (step.h's scalar_element, case by case). ``index``: the elements' indices in their
- * tensor (stochastic's draws). W: the float32 weight the step reads; X: kahan's
- * compensation, light's and plus's lo. */
+ * (step.h's scalar_element, case by case; stochastic's rounding is pair_block's). W: the
+ * float32 weight the step reads; X: kahan's compensation, light's and plus's lo. */
 static inline __attribute__((always_inline)) void g_land(const int S, const gcoeffs *c,
-                                                         const grow_t *r, vu index, vf m,
-                                                         vf v, vf u, vf W, vf X, gout *o) {
+                                                         vf m, vf v, vf u, vf W, vf X,
+                                                         gout *o) {
     switch (S) {
     case S_FP32: o->w32 = g_decayed(S, c, W) + u; break;
     case S_MIXED:
@@ -195,9 +237,8 @@ static inline __attribute__((always_inline)) void g_land(const int S, const gcoe
         o->w = g_round(o->w32);
         break;
     case S_BF16: o->w = g_round(g_decayed(S, c, W) + u); break;
-    case S_STOCHASTIC:
-        o->w = g_stochastic(g_decayed(S, c, W) + u,
-                            g_draw(index, (uint32_t)r->key0, (uint32_t)r->key1));
+    case S_STOCHASTIC: /* rounded by pair_block, both halves at once (g_stochastic2) */
+        o->w32 = g_decayed(S, c, W) + u;
         break;
     case S_KAHAN: {
         /* (-W) * lr_wd, or +0 without decay (the foreach path adds u to zeros) */
@@ -208,7 +249,7 @@ static inline __attribute__((always_inline)) void g_land(const int S, const gcoe
         vf hf = f_bits(o->w);
         /* not NaN where hf is finite (then W and corrected are finite) */
         o->x = g_round_number(corrected - (hf - W)) & ~g_special(hf);
-        g_normalize(&o->w, &o->x);
+        g_normalize_kahan(&o->w, &o->x);
         break;
     }
     case S_LIGHT:
@@ -305,7 +346,7 @@ static inline __attribute__((always_inline)) void plain_block(
     vf W = v_load_f32(S == S_FP32 ? r->w : r->x, i);
     vf V = S == S_MIXED && MEAS ? v_load_bf(r->w, i) : v_splat(0.0f);
     gout o;
-    g_land(S, c, r, (vu){0}, m, v, u, W, v_splat(0.0f), &o);
+    g_land(S, c, m, v, u, W, v_splat(0.0f), &o);
     if (MEAS) {
         vf zero = v_splat(0.0f);
         g_measure(S, c, u, W, V, zero, o.w32, S == S_MIXED ? f_bits(o.w) : zero, zero, a);
@@ -320,31 +361,65 @@ static inline __attribute__((always_inline)) void plain_block(
     v_store_f32(r->v, i, o.v32);
 }
 
-/* One half (even or odd elements) of a pair block: the step, the landing, the terms */
-static inline __attribute__((always_inline)) void pair_half(
-    const int S, const int SCALED, const int BC1, const int MEAS, const gcoeffs *c,
-    const grow_t *r, vu index, vf g, vf m, vf v, vf Wv, vf Xv, gout *o, gacc *a) {
+/* The hashes of the 2 VL elements ``first + 0 ..``, even (``*ze``) and odd (``*zo``).
+ * Where ``first`` is a multiple of 2 VL (every block of a row that starts so), the first
+ * round's product is a table lookup, exactly (rounding.h's v_hash2 says why): with B1 =
+ * B ^ (B >> 16), B = first ^ key0, and l its low bits below 2 VL, the product of lane j
+ * is (B1 - l) * C1 + (l ^ offset_j) * C1 mod 2**32, the second term c->products[l]. */
+static inline __attribute__((always_inline)) void g_hash_block(const gcoeffs *c,
+                                                               uint32_t first,
+                                                               const grow_t *r, vu *ze,
+                                                               vu *zo) {
+    uint32_t key0 = (uint32_t)r->key0, key1 = (uint32_t)r->key1;
+    if ((first & (2 * VL - 1)) != 0) {
+        vu index = first + (v_lanes() << 1);
+        *ze = g_hash(index, key0, key1);
+        *zo = g_hash(index + 1u, key0, key1);
+        return;
+    }
+    uint32_t b = first ^ key0;
+    b ^= b >> 16;
+    uint32_t l = b & (2 * VL - 1), scaled = (b - l) * MIX32_C1;
+    *ze = g_hash_rounds(scaled + c->products[l][0], key1);
+    *zo = g_hash_rounds(scaled + c->products[l][1], key1);
+}
+
+/* What a half's lost-update terms read besides its outputs: the update and the weight
+ * before (float32, visible, second part) */
+typedef struct {
+    vf u, W, V, X;
+} gbefore;
+
+/* One half (even or odd elements) of a pair block: the step and the landing */
+static inline __attribute__((always_inline)) gbefore pair_half(
+    const int S, const int SCALED, const int BC1, const gcoeffs *c, vf g, vf m, vf v,
+    vf Wv, vf Xv, gout *o) {
     vf zero = v_splat(0.0f);
-    vf u = g_adam(SCALED, BC1, c, g, &m, &v);
-    vf W = Wv, X = zero, V = zero;
+    gbefore b = {g_adam(SCALED, BC1, c, g, &m, &v), Wv, zero, zero};
     switch (S) {
-    case S_KAHAN: X = Xv; break;
+    case S_KAHAN: b.X = Xv; break;
     case S_LIGHT:
     case S_PLUS: /* W: hi + lo */
-        V = Wv;
-        X = Xv;
-        W = Wv + Xv;
+        b.V = Wv;
+        b.X = Xv;
+        b.W = Wv + Xv;
         break;
     case S_SPLIT: /* Wv, Xv: the widened weight word and low bits */
-        V = Wv;
-        W = g_split_decode(u_bits(Wv), u_bits(Xv));
+        b.V = Wv;
+        b.W = g_split_decode(u_bits(Wv), u_bits(Xv));
         break;
     default: break;
     }
-    g_land(S, c, r, index, m, v, u, W, X, o);
-    if (MEAS)
-        g_measure(S, c, u, W, V, X, S == S_SPLIT ? o->w32 : zero, f_bits(o->w),
-                  PAIR(S) ? f_bits(o->x) : zero, a);
+    g_land(S, c, m, v, b.u, b.W, b.X, o);
+    return b;
+}
+
+static inline __attribute__((always_inline)) void pair_measure(const int S, const gcoeffs *c,
+                                                               gbefore b, const gout *o,
+                                                               gacc *a) {
+    vf zero = v_splat(0.0f);
+    g_measure(S, c, b.u, b.W, b.V, b.X, S == S_SPLIT ? o->w32 : zero, f_bits(o->w),
+              PAIR(S) ? f_bits(o->x) : zero, a);
 }
 
 /* 2 VL elements from ``i`` of a strategy with bf16 weights and states (the gradient bf16,
@@ -362,12 +437,25 @@ static inline __attribute__((always_inline)) void pair_block(
     /* split: the widened words themselves (the weight word and the low bits) */
     vpair w = v_load_pair(r->w, i), x = {v_splat(0.0f), v_splat(0.0f)};
     if (S != S_BF16 && S != S_STOCHASTIC) x = v_load_pair(r->x, i);
-    vu index = {0};
-    if (S == S_STOCHASTIC) index = (uint32_t)(r->index + i) + (v_lanes() << 1);
     gout e, o;
-    pair_half(S, SCALED, BC1, MEAS, c, r, index, g.e, m.e, v.e, w.e, x.e, &e, a);
-    pair_half(S, SCALED, BC1, MEAS, c, r, index + 1u, g.o, m.o, v.o, w.o, x.o, &o, a);
-    v_store_words(r->w, i, v_pack(e.w, o.w));
+    vu ze, zo;
+    if (S == S_STOCHASTIC) g_hash_block(c, (uint32_t)(r->index + i), r, &ze, &zo);
+    gbefore be = pair_half(S, SCALED, BC1, c, g.e, m.e, v.e, w.e, x.e, &e);
+    gbefore bo = pair_half(S, SCALED, BC1, c, g.o, m.o, v.o, w.o, x.o, &o);
+    vu words;
+    if (S == S_STOCHASTIC) {
+        vpair nw = {e.w32, o.w32};
+        words = g_stochastic2(nw, ze, zo);
+        e.w = words << 16;
+        o.w = words & 0xFFFF0000u;
+    } else {
+        words = v_pack(e.w, o.w);
+    }
+    if (MEAS) {
+        pair_measure(S, c, be, &e, a);
+        pair_measure(S, c, bo, &o, a);
+    }
+    v_store_words(r->w, i, words);
     if (S != S_BF16 && S != S_STOCHASTIC) v_store_words(r->x, i, v_pack(e.x, o.x));
     v_store_words(r->m, i, v_pack(e.m, o.m));
     v_store_words(r->v, i, v_pack(e.v, o.v));
@@ -468,6 +556,10 @@ static inline __attribute__((always_inline)) void vector_range(
     c.decay = v_splat((flags & F_DECAY) ? h[H_DECAY] : 1.0f); /* see g_decayed */
     c.lr_wd = v_splat(h[H_LR_WD]);
     c.scale = v_splat(h[H_SCALE]);
+    if (S == S_STOCHASTIC)
+        for (uint32_t l = 0; l < 2 * VL; l++)
+            for (uint32_t h = 0; h < 2; h++)
+                c.products[l][h] = (l ^ ((v_lanes() << 1) + h)) * MIX32_C1;
     grow_t r = {(void *)row[T_W], (void *)row[T_G], (void *)row[T_M], (void *)row[T_V],
                 (void *)row[T_VLO], (void *)row[T_X], row[T_INDEX], row[T_KEY0], row[T_KEY1]};
     /* without the division by the bias correction only where it is taken (unmeasured

@@ -29,8 +29,9 @@ int collage_native_openmp(void) { return 0; }
 
 /* out[j] = bf16 stochastic rounding of x[j] with the draw of element ``first + j``
  * (fused.counter_uniform keyed by key0, key1): with ``pairs``, v_stochastic2 on whole
- * blocks of 32 (the kernels' 32-wide path); v_stochastic on whole vectors of 16 (the
- * 16-wide path); bf_stochastic on the tail (and everywhere in the portable build). For
+ * blocks of 32 (the kernels' 32-wide path; g_stochastic2 on blocks of 2 VL in the other
+ * vector builds); v_stochastic on whole vectors of 16 (the 16-wide path; g_stochastic on
+ * VL); bf_stochastic on the tail (and everywhere in the portable build). For
  * tests. */
 int collage_stochastic_round(const float *x, int64_t n, int64_t first, int64_t key0,
                              int64_t key1, uint16_t *out, int pairs) {
@@ -52,9 +53,9 @@ int collage_stochastic_round(const float *x, int64_t n, int64_t first, int64_t k
     for (; pairs && j + 2 * VL <= n; j += 2 * VL) {
         vpair v = v_load_pair_f32(x, j);
         vu index = (uint32_t)(first + j) + (v_lanes() << 1);
-        vu d = g_draw(index, (uint32_t)key0, (uint32_t)key1);
-        vu odd = g_draw(index + 1u, (uint32_t)key0, (uint32_t)key1);
-        v_store_words(out, j, v_pack(g_stochastic(v.e, d), g_stochastic(v.o, odd)));
+        v_store_words(out, j, g_stochastic2(v, g_hash(index, (uint32_t)key0, (uint32_t)key1),
+                                            g_hash(index + 1u, (uint32_t)key0,
+                                                   (uint32_t)key1)));
     }
     for (; j + VL <= n; j += VL)
         v_store_bf(out, j, g_stochastic(v_load_f32(x, j),
