@@ -31,9 +31,10 @@ def machine(monkeypatch):
 
 @pytest.mark.parametrize("load, threads, busy", [
     (QUIET, 2, False),     # 0.2 + 2 threads on 2 cores: within the margin
-    ((0.6, 0, 0), 2, True),  # 0.6 + 2 > 2 + 0.5: one thread waits now and then
-    ((1.4, 0, 0), 1, False),  # 1.4 + 1: the idle core takes the other work
-    ((1.6, 0, 0), 1, True),
+    ((0.9, 0, 0), 2, False),  # 0.9 + 2 <= 2 + 1: an earlier job's last minute
+    ((1.1, 0, 0), 2, True),  # 1.1 + 2 > 2 + 1: another busy thread on average
+    ((1.9, 0, 0), 1, False),  # 1.9 + 1: the idle core takes the other work
+    ((2.1, 0, 0), 1, True),
     (BUSY, 2, True),
 ])
 def test_the_load_before_the_start_and_the_threads_against_the_cores(machine, load, threads,
