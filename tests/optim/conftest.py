@@ -6,6 +6,8 @@ small op pays a thread wake-up (measured: a 16-wide MLP step 100x slower). Resto
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -34,27 +36,33 @@ def inductor_only(monkeypatch):
     monkeypatch.setattr(native, "covers", lambda *args, **kwargs: False)
 
 
+#: their test ids (``-k "not isa_"`` leaves them out: .ci/run's oldest-torch stage)
+BACKEND_IDS = tuple(f"isa_{name}" for name in OTHER_BACKENDS)
+
+
+def _build_or_none(name: str):
+    try:
+        return build.build_backend(name)
+    except RuntimeError:
+        return None
+
+
 @pytest.fixture(scope="session")
 def backend_libs(tmp_path_factory):
     """name -> loaded library of each of OTHER_BACKENDS this CPU runs, built once per
-    session (about 20 s of one core each); a name is absent where the CPU or the compiler
-    cannot build it, or where it is the default library's own backend."""
+    session (about 20 s of one core each, two at a time); a name is absent where the CPU or
+    the compiler cannot build it, or where it is the default library's own backend."""
     if build._compiler() is None:
         return {}
-    libs = {}
+    names = [name for name in OTHER_BACKENDS if name != native.backend()]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COLLAGE_CACHE_DIR", str(tmp_path_factory.mktemp("backends")))
-        for name in OTHER_BACKENDS:
-            if name == native.backend():
-                continue
-            try:
-                libs[name] = build.build_backend(name)
-            except RuntimeError:
-                continue
-    return libs
+        with ThreadPoolExecutor(max_workers=2) as pool:  # each build waits on a compiler
+            built = dict(zip(names, pool.map(_build_or_none, names)))
+    return {name: lib for name, lib in built.items() if lib is not None}
 
 
-@pytest.fixture(params=OTHER_BACKENDS)
+@pytest.fixture(params=OTHER_BACKENDS, ids=BACKEND_IDS)
 def backend_lib(request, backend_libs):
     """One other backend's library (skipped where this machine cannot build it)."""
     if request.param not in backend_libs:
@@ -63,10 +71,11 @@ def backend_lib(request, backend_libs):
     return backend_libs[request.param]
 
 
-@pytest.fixture(params=("default", *OTHER_BACKENDS))
+@pytest.fixture(params=("default", *OTHER_BACKENDS), ids=("default", *BACKEND_IDS))
 def kernel_lib(request, backend_libs):
     """The default library, then each other backend's (skipped where absent): for the tests
-    of the kernels' roundings and division through their test hooks."""
+    of the kernels' roundings and division through their test hooks. A test may narrow the
+    list with ``@pytest.mark.parametrize("kernel_lib", [...], indirect=True)``."""
     if request.param == "default":
         lib = native.loaded() or native.load()
         if lib is None:

@@ -10,9 +10,10 @@
  *   plain_block  VL elements in order: fp32 and mixed (float32 states)
  * A row's last elements (fewer than a block) take scalar_element: the reference itself.
  *
- * Rounding is bf_round's integer form on every lane (no instruction of these targets
- * rounds float32 to bf16 as torch does: x86's vcvtneps2bf16 is AVX-512 or AVX-NE-CONVERT,
- * ARM's BFCVT flushes subnormals). Results rounded to bf16 stay widened (their bits in the
+ * Rounding is bf_round's integer form on every lane: x86's vcvtneps2bf16 needs AVX512-BF16
+ * or AVX-NE-CONVERT, which most AVX2 CPUs lack, and reads subnormals as zero
+ * (step_avx512.h redoes such blocks); AArch64's BFCVT is optional (FEAT_BF16). Results
+ * rounded to bf16 stay widened (their bits in the
  * high halves, the low halves zero): the float value for the next operation is then a
  * reinterpretation, and packing is a shift. */
 
@@ -96,9 +97,9 @@ static inline __attribute__((always_inline)) void g_normalize_kahan(vu *hi, vu *
  * normalisation's rest RN(t - RN(t)) is t - hi = lo wherever RN(t) is hi -- bit for bit but
  * for a zero's sign: a negative x - hi too small for bf16 rounds to lo = -0, where the rest
  * is +0, so there lo + 0 (+0 for -0, every other lo itself: it is never NaN) is taken;
- * where hi is inf or NaN, lo = +0 and t rounds to hi again. So the pair changes only where RN(t) !=
- * hi: one sum and one rounding find it (ten operations against the seventeen of the
- * normalisation, and no class test: subnormals and NaN included). */
+ * where hi is inf or NaN, lo = +0 and t rounds to hi again. So the pair changes only where
+ * RN(t) != hi: one sum and one rounding find it (ten operations against the seventeen of
+ * the normalisation, and no class test: subnormals and NaN included). */
 static inline __attribute__((always_inline)) void g_residual_pair(vf x, vu *hi, vu *lo) {
     *hi = g_round(x);
     *lo = g_residual(x, *hi);
