@@ -163,18 +163,32 @@ def requested_isa() -> str:
     return isa
 
 
+def _target(isa: str) -> tuple[tuple[str, ...], list[str]]:
+    """Backend ``isa``'s target flags (each the default's -march=native, narrowed) and the
+    CPU features it needs that this CPU lacks (empty where it can run it). Besides
+    :data:`ISAS` but ``auto``: ``"no-avx512bf16"``, the AVX-512 build that rounds with
+    integer operations (tests)."""
+    if isa == "no-avx512bf16":
+        target, needs = ("-march=native", "-mno-avx512bf16"), {"avx512f", "avx512bw",
+                                                               "avx512vl", "avx512_bf16"}
+    elif isa == "portable":
+        target, needs = ("-DCOLLAGE_SCALAR_ONLY",), set()
+    elif _arm():
+        if isa != "vec128":
+            return (), [isa]
+        target, needs = ("-march=native",), set()
+    else:
+        target, needs = _X86_TARGETS[isa]
+    return target, sorted(needs - _cpu_features())
+
+
 def _flag_sets(isa: str) -> tuple[tuple[str, ...], ...]:
     """The flag sets to try, in order, for backend ``isa``: ``_FLAGS`` for ``auto`` (and
     for a backend this CPU cannot run, with one warning); else the forced backend's target
     with and without OpenMP, then the portable build."""
-    if isa == "auto" or (_arm() and isa == "vec128"):
+    if isa == "auto":
         return _FLAGS
-    if _arm():
-        target, needs = (("-DCOLLAGE_SCALAR_ONLY",), set()) if isa == "portable" else \
-            (None, {isa})
-    else:
-        target, needs = _X86_TARGETS[isa]
-    missing = sorted(needs - _cpu_features()) if target is not None else [isa]
+    target, missing = _target(isa)
     if missing:
         warnings.warn(f"collage: COLLAGE_NATIVE_ISA={isa} needs CPU features this CPU lacks "
                       f"({', '.join(missing)}); building the default backend for this CPU",
@@ -185,29 +199,21 @@ def _flag_sets(isa: str) -> tuple[tuple[str, ...], ...]:
 
 
 def build_backend(isa: str) -> ctypes.CDLL:
-    """The library built for backend ``isa`` (one of :data:`ISAS` but ``auto``; or
-    ``"no-avx512bf16"``: the AVX-512 build that rounds with integer operations), without
-    OpenMP, in the cache directory, loaded beside (not instead of) the default one. For tests
-    and benchmarks that compare backends in one process. A RuntimeError names what this CPU
-    or compiler lacks."""
+    """The library built for backend ``isa`` (see :func:`_target`), without OpenMP, in the
+    cache directory, loaded beside (not instead of) the default one: for tests and
+    benchmarks that compare backends in one process. A RuntimeError names what this CPU or
+    compiler lacks."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler")
-    if isa == "no-avx512bf16":
-        target, needs = ("-march=native", "-mno-avx512bf16"), {"avx512f", "avx512bw",
-                                                               "avx512vl", "avx512_bf16"}
-    elif _arm():
-        target, needs = (("-march=native",), set()) if isa == "vec128" else \
-            (("-DCOLLAGE_SCALAR_ONLY",), set()) if isa == "portable" else (None, {isa})
-    else:
-        target, needs = _X86_TARGETS[isa]
-    missing = sorted(needs - _cpu_features()) if target is not None else [isa]
+    target, missing = _target(isa)
     if missing:
         raise RuntimeError(f"this CPU lacks {', '.join(missing)} for the {isa} backend")
     path, _ = _build(cc, [("-O3", *target, "-ffp-contract=off", "-shared", "-fPIC")])
     lib = _open(path)
-    if isa != "no-avx512bf16" and isa_name(lib.collage_native_isa()) not in (isa, "neon"):
-        raise RuntimeError(f"the {isa} build runs {isa_name(lib.collage_native_isa())}")
+    built = isa_name(lib.collage_native_isa())
+    if isa != "no-avx512bf16" and built not in (isa, "neon"):
+        raise RuntimeError(f"the {isa} build runs {built}")
     return lib
 
 
