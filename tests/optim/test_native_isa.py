@@ -61,3 +61,17 @@ def test_on_arm_only_the_four_lane_and_portable_builds_exist(monkeypatch):
     assert build._target("vec128") == (("-march=native",), [])
     assert build._target("avx2") == ((), ["avx2"])
     assert build.isa_name(3) == "neon"
+
+
+def test_a_build_without_vectors_on_a_vector_cpu_warns(monkeypatch):
+    """What an old compiler gives (no vector extensions): the portable loop, said once."""
+    monkeypatch.setattr(build, "_cpu_features", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(build, "_arm", lambda: False)
+    with pytest.warns(RuntimeWarning, match=r"without vector instructions .* use a newer"):
+        build._warn_if_slower_than_the_cpu("portable", ["gcc-8"], build._FLAGS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build._warn_if_slower_than_the_cpu("portable", ["gcc-8"], build._FLAGS[-1:])  # asked
+        build._warn_if_slower_than_the_cpu("avx2", ["gcc"], build._FLAGS)
+        monkeypatch.setattr(build, "_cpu_features", lambda: {"sse2"})
+        build._warn_if_slower_than_the_cpu("portable", ["gcc-8"], build._FLAGS)  # no faster

@@ -3,7 +3,7 @@
  * Why: CPUs without AVX-512 (x86-64 with AVX2 and FMA, x86-64-v3; AArch64 with NEON) ran
  * the portable scalar loop at 0.04-0.13x torch's fused AdamW (#40). step_vector.h writes
  * the step once on vectors of VL float32 lanes with the compiler's vector extensions
- * (GCC >= 12 and Clang: element-wise + - * / & | ^ << >> and comparisons, which give
+ * (GCC >= 9 and Clang: element-wise + - * / & | ^ << >> and comparisons, which give
  * all-ones or zero lanes); this header adds what the extensions lack, a fused multiply-add
  * and a square root, each one instruction of the target, and a test for any lane set.
  *
@@ -37,7 +37,9 @@
 #endif
 #endif
 
-#if defined(COLLAGE_VECTOR_BYTES) && (defined(__clang__) || __GNUC__ >= 12)
+/* the vector extensions used: element-wise operators and __builtin_convertvector (GCC 9,
+ * any Clang); shuffles by __builtin_shufflevector (Clang, GCC 12) or __builtin_shuffle */
+#if defined(COLLAGE_VECTOR_BYTES) && (defined(__clang__) || __GNUC__ >= 9)
 #define COLLAGE_VECTOR 1
 #else
 #define COLLAGE_VECTOR 0
@@ -209,22 +211,22 @@ static inline __attribute__((always_inline)) vpair v_load_pair(const void *p, in
  * halves zero) */
 static inline vu v_pack(vu e, vu o) { return (e >> 16) | o; }
 
-/* shuffles of two vectors by constant lane numbers; the compilers spell them differently */
+/* the even and odd lanes of two vectors a, b (a's lanes first): shuffles by constant lane
+ * numbers, which the compilers spell differently */
 #if defined(__clang__) || __GNUC__ >= 12
 #if VL == 8
 #define V_EVEN(a, b) __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14)
 #define V_ODD(a, b) __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15)
-#define V_LOW(e, o) __builtin_shufflevector(e, o, 0, 8, 1, 9, 2, 10, 3, 11)
-#define V_HIGH(e, o) __builtin_shufflevector(e, o, 4, 12, 5, 13, 6, 14, 7, 15)
 #else
 #define V_EVEN(a, b) __builtin_shufflevector(a, b, 0, 2, 4, 6)
 #define V_ODD(a, b) __builtin_shufflevector(a, b, 1, 3, 5, 7)
-#define V_LOW(e, o) __builtin_shufflevector(e, o, 0, 4, 1, 5)
-#define V_HIGH(e, o) __builtin_shufflevector(e, o, 2, 6, 3, 7)
 #endif
+#else
+#define V_EVEN(a, b) __builtin_shuffle(a, b, (v_lanes() << 1))
+#define V_ODD(a, b) __builtin_shuffle(a, b, (v_lanes() << 1) + 1u)
 #endif
 
-/* 2 VL float32 elements as their even and odd elements, and back */
+/* 2 VL float32 elements as their even and odd elements */
 static inline __attribute__((always_inline)) vpair v_load_pair_f32(const void *p,
                                                                    int64_t i) {
     vf a = v_load_f32(p, i), b = v_load_f32(p, i + VL);
