@@ -215,9 +215,13 @@ def test_probed_step_skips_measured_steps():
 
 # A model whose persistent tensors dominate: d 512, 4 layers (12.9M parameters), one sequence
 # of 16 tokens per step, so that activations are ~0.3 % of the total.
+#: torch's bf16 GEMMs on every CPU (``bf16_gemm`` pinned): the memory model counts the
+#: optimizer's tensors and torch's bf16 layers; the fp32 mode that ``auto`` picks where bf16
+#: GEMMs are slow (#40) holds a float32 copy of one weight and its gradient's float32 sum
+#: besides (+8 MB at this width: measured +5.5 % for plus8 with oneDNN limited to AVX2)
 WIDE = {"model": {"d_model": 512, "n_layers": 4, "n_heads": 4, "context": 16},
         "data": {"batch_size": 1}, "run": {"steps": 3, "eval_every": 3, "eval_batches": 1,
-                                           "track_every": 2}}
+                                           "track_every": 2, "bf16_gemm": "bf16"}}
 
 
 def _collage_memory_total(strategy: str, capsys) -> float:
