@@ -45,7 +45,7 @@ def test_neon_names_the_four_lane_build(monkeypatch):
 
 
 def test_a_backend_this_cpu_lacks_warns_and_builds_the_default(monkeypatch):
-    monkeypatch.setattr(build, "_cpu_features", lambda: {"sse2"})
+    monkeypatch.setattr(build, "cpu_features", lambda: {"sse2"})
     monkeypatch.setattr(build, "_arm", lambda: False)
     with pytest.warns(RuntimeWarning, match=r"COLLAGE_NATIVE_ISA=avx2 needs .*avx2, fma"):
         assert build._flag_sets("avx2") == build._FLAGS
@@ -65,7 +65,7 @@ def test_on_arm_only_the_four_lane_and_portable_builds_exist(monkeypatch):
 
 def test_a_build_without_vectors_on_a_vector_cpu_warns(monkeypatch):
     """What an old compiler gives (no vector extensions): the portable loop, said once."""
-    monkeypatch.setattr(build, "_cpu_features", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(build, "cpu_features", lambda: {"avx2", "fma"})
     monkeypatch.setattr(build, "_arm", lambda: False)
     with pytest.warns(RuntimeWarning, match=r"without vector instructions .* use a newer"):
         build._warn_if_slower_than_the_cpu("portable", ["gcc-8"], build._FLAGS)
@@ -73,5 +73,5 @@ def test_a_build_without_vectors_on_a_vector_cpu_warns(monkeypatch):
         warnings.simplefilter("error")
         build._warn_if_slower_than_the_cpu("portable", ["gcc-8"], build._FLAGS[-1:])  # asked
         build._warn_if_slower_than_the_cpu("avx2", ["gcc"], build._FLAGS)
-        monkeypatch.setattr(build, "_cpu_features", lambda: {"sse2"})
+        monkeypatch.setattr(build, "cpu_features", lambda: {"sse2"})
         build._warn_if_slower_than_the_cpu("portable", ["gcc-8"], build._FLAGS)  # no faster

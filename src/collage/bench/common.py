@@ -14,6 +14,7 @@ from importlib import metadata
 import torch
 
 from .. import __version__
+from ..optim.native.build import cpu_features
 from ..optim.rules import ADAMW, Rule
 from ..optim.strategies import Strategy, all_strategies
 from ..optim.strategies.strategy import dtype_name
@@ -175,22 +176,11 @@ KERNEL_OVERRIDES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_I
                     "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def cpu_kernels() -> dict[str, object]:
     """What decides which of torch's CPU kernels run, and so the last bits of a float32 or
     bf16 computation on this machine: the CPU model, torch's CPU capability, the
     instruction sets of :data:`ISA_FLAGS` it has, and any of :data:`KERNEL_OVERRIDES` set."""
-    flags = _cpu_flags()
+    flags = cpu_features()
     return {
         "cpu": _cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -65,8 +65,8 @@ import torch
 
 from . import cache
 
-__all__ = ["available", "backend", "info", "loaded", "load", "ABI", "ISAS", "SOURCES",
-           "UNITS"]
+__all__ = ["available", "backend", "cpu_features", "info", "loaded", "load", "ABI", "ISAS",
+           "SOURCES", "UNITS"]
 
 _HERE = Path(__file__).parent
 #: the translation units, compiled together in one call into one library
@@ -135,7 +135,7 @@ def _machine() -> str:
     return "\n".join(words)
 
 
-def _cpu_features() -> set[str]:
+def cpu_features() -> set[str]:
     """The CPU's feature names (x86 ``flags``, ARM ``Features`` of /proc/cpuinfo)."""
     try:
         with open("/proc/cpuinfo") as handle:
@@ -179,7 +179,7 @@ def _target(isa: str) -> tuple[tuple[str, ...], list[str]]:
         target, needs = ("-march=native",), set()
     else:
         target, needs = _X86_TARGETS[isa]
-    return target, sorted(needs - _cpu_features())
+    return target, sorted(needs - cpu_features())
 
 
 def _flag_sets(isa: str) -> tuple[tuple[str, ...], ...]:
@@ -314,7 +314,7 @@ def _warn_if_slower_than_the_cpu(built: str, cc: list[str],
     vector loop would on an AVX2 CPU. Not where the portable loop was asked for."""
     if built != "portable" or not any("-march=native" in flags for flags in flag_sets):
         return
-    if not (_arm() or {"avx2", "fma"} <= _cpu_features()):
+    if not (_arm() or {"avx2", "fma"} <= cpu_features()):
         return
     warnings.warn(f"collage: the native CPU kernels were built without vector instructions "
                   f"({' '.join(cc)} does not support GCC >= 9's or Clang's vector "
