@@ -74,8 +74,8 @@ UNITS = tuple(_HERE / name for name in ("adamw.c", "measured.c", "support.c"))
 #: every C source of the library, the units and the headers they include: the cache key
 #: hashes them all
 SOURCES = UNITS + tuple(_HERE / name for name in ("native.h", "rounding.h", "simd.h",
-                                                  "step.h", "step_avx512.h",
-                                                  "step_vector.h"))
+                                                  "rounding_vector.h", "step.h",
+                                                  "step_avx512.h", "step_vector.h"))
 ABI = 8
 # in order of preference: OpenMP (torch's own runtime once loaded), without, portable
 _FLAGS = (("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"),

@@ -14,6 +14,7 @@
  *   step_avx512.h  the same step on 16 and 32 lanes
  *   simd.h         the vector layer of the other vector builds (AVX2 and FMA; NEON): the
  *                  compilers' vector extensions, one fma, square root and lane test each
+ *   rounding_vector.h  rounding.h's helpers on simd.h's vectors
  *   step_vector.h  the same step on simd.h's vectors, one source for every width
  *   adamw.c        the unmeasured entry points, threaded (collage_adamw, _threads, and
  *                  _planned: a step of every planned group with the non-finite check)
