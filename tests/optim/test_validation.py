@@ -68,6 +68,8 @@ HYPERPARAMETER_ERRORS = [
     (collage.AdamW, {"betas": (0.9, 1.0)}, re.escape("betas[1] must be in [0, 1)")),
     (collage.AdamW, {"betas": (-0.1, 0.999)}, re.escape("betas[0] must be in [0, 1)")),
     (collage.AdamW, {"betas": (0.9,)}, "betas must be a pair"),
+    (collage.AdamW, {"betas": (0.9, torch.tensor(0.999))}, "both floats or both Tensors"),
+    (collage.Lion, {"betas": (torch.tensor(0.9), 0.99)}, "both floats or both Tensors"),
     (collage.Lion, {"betas": (1.5, 0.99)}, re.escape("betas[0] must be in [0, 1)")),
     (collage.SGD, {"lr": 0.1, "momentum": -0.9}, "momentum must be >= 0"),
     (collage.SGD, {"lr": 0.1, "nesterov": True}, "nesterov=True needs momentum > 0"),

@@ -352,7 +352,8 @@ class UpdateStats:
         multi-component strategies). ``visible_before``/``visible_after`` are the weight the
         model computes with; pass both or neither, and neither means the visible value *is*
         the represented one (``bf16``, ``fp32``). ``compensation`` (``lo``, a Kahan buffer)
-        only contributes its squared norm. No host synchronisation, no ``.item()``.
+        only contributes its squared norm. No host synchronisation, no ``.item()``. A tensor
+        on the ``meta`` device (shapes only, as in deferred initialisation) is not counted.
         """
         if self._reduced:
             raise RuntimeError("UpdateStats was already reduced; call reset() before add()")
@@ -361,6 +362,8 @@ class UpdateStats:
         key_list = _unique(keys)
         if not key_list:
             raise ValueError("keys is empty: give at least one key (\"\" is the overall key)")
+        if intended.device.type == "meta":
+            return  # a meta tensor has a shape and no values: nothing landed, nothing to count
         d, e = _delta(intended, before, after)
         ev = None
         if visible_before is not None and visible_after is not None:

@@ -62,7 +62,9 @@ def plan_calls(group: GroupStep, entries: list[Entry], max_numel: int, batch: bo
     """The calls that step ``entries``: a tensor of at least ``SMALL_NUMEL`` elements (every
     tensor when not ``batch``, or when the strategy's draws or per-block components are
     keyed per tensor) in calls of at most ``max_numel`` elements; the small ones concatenated
-    per (dtype, step), at most ``max_numel`` elements per call."""
+    per (device, dtypes, step), at most ``max_numel`` elements per call: a group may hold
+    tensors of several devices (torch.optim groups by device too), and one concatenation
+    cannot."""
     strategy, rule = group.strategy, group.rule
     batch = batch and not strategy.draws and strategy.elementwise(rule)
     calls: list[Call] = []
@@ -71,12 +73,12 @@ def plan_calls(group: GroupStep, entries: list[Entry], max_numel: int, batch: bo
         if entry.numel == 0:
             continue
         if batch and entry.numel < SMALL_NUMEL:
-            buckets.setdefault((entry.param.dtype, entry.grad.dtype, entry.step),
-                               []).append(entry)
+            buckets.setdefault((entry.param.device, entry.param.dtype, entry.grad.dtype,
+                                entry.step), []).append(entry)
             continue
         for start in range(0, entry.numel, max_numel):
             calls.append(Call(entry.step, [entry], start, min(start + max_numel, entry.numel)))
-    for (_, _, step), bucket in buckets.items():
+    for (*_, step), bucket in buckets.items():
         chunk: list[Entry] = []
         total = 0
         for entry in bucket:
@@ -182,7 +184,8 @@ def step_one(group: GroupStep, entry: Entry, reference: bool) -> None:
         before = kernels.represented_value(strategy, param, tensors)
         visible_before = param.detach().clone()
     if reference:
-        grad = _reference_grad(entry.grad, group, strategy.state_dtype(param.dtype))
+        grad = _reference_grad(_laid_out_as(param, entry.grad), group,
+                               strategy.state_dtype(param.dtype))
         intended = kernels.reference_step(rule, strategy, param, grad, tensors, coeffs, key,
                                           stats is not None)
     else:
@@ -204,6 +207,17 @@ def _whole_draws(group: GroupStep, entry: Entry) -> torch.Tensor | None:
     whole = keyed.draw_key(group.seed, entry.item.position, entry.step, 0,
                            entry.param.device)
     return keyed.local_uniform(entry.item.param, entry.param, whole)
+
+
+def _laid_out_as(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` with ``param``'s strides (a copy where they differ). The reference rule's
+    bf16 operations round differently in torch's vectorized and scalar loops (``add_``
+    with ``alpha`` is one fused rounding in the first, two in the second), and torch takes the
+    scalar loop where its operands' layouts differ: a channels_last gradient of a contiguous
+    weight would give other moments than the same values laid out as the weight."""
+    if grad.stride() == param.stride():
+        return grad
+    return torch.empty_like(param, dtype=grad.dtype).copy_(grad)
 
 
 def _reference_grad(grad: torch.Tensor, group: GroupStep, dtype: torch.dtype) -> torch.Tensor:

@@ -131,6 +131,11 @@ def check_betas(betas) -> None:
     """A ValueError unless ``betas`` is a pair of numbers in [0, 1)."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        # as torch.optim: one tensor beside a number is a mistake more often than a wish
+        raise ValueError(f"betas must be either both floats or both Tensors, got "
+                         f"({type(betas[0]).__name__}, {type(betas[1]).__name__}): write "
+                         f"both as floats, or both as 0-d tensors")
     for index, beta in enumerate(betas):
         value = number(beta, f"betas[{index}]")
         if not 0.0 <= value < 1.0:
