@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .optim import AdamW, get_strategy
+from .optim.strategies import DEFAULT_STRATEGY
 
 __all__ = [
     "NO_DECAY_PATTERNS",
@@ -152,7 +153,7 @@ def param_groups(
     return groups
 
 
-def adamw_for_trainer(model: nn.Module, args: Any, *, strategy: str = "plus",
+def adamw_for_trainer(model: nn.Module, args: Any, *, strategy: str = DEFAULT_STRATEGY,
                       no_decay_strategy: str | None = None, **kwargs: Any):
     """``collage.AdamW`` configured from a ``transformers.TrainingArguments``, for
     ``Trainer(model, args, ..., optimizers=(optimizer, None))``.

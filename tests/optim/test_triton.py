@@ -17,6 +17,7 @@ root the same operation on both sides, every result is the same bits.
 from __future__ import annotations
 
 import io
+import sys
 import warnings
 
 import pytest
@@ -340,9 +341,9 @@ def test_stochastic_draws_are_every_other_path_s():
 
 @needs_triton
 def test_fma_is_correctly_rounded_in_the_interpreter():
-    """The interpreter's ``tl.fma`` rounds twice; ``kernels._fma_emulated`` must give
-    torch's fused multiply-add (``addcmul``) bit for bit, cancellations and tiny results
-    included."""
+    """The interpreter's ``tl.fma`` rounds twice; ``kernels.arithmetic._fma_emulated`` must
+    give torch's fused multiply-add (``addcmul``) bit for bit, cancellations and tiny
+    results included."""
     module = launches.kernel_module(True)
     g = torch.Generator().manual_seed(0)
     n = 4096
@@ -354,6 +355,30 @@ def test_fma_is_correctly_rounded_in_the_interpreter():
     out = torch.empty(n)
     module.fma_probe[(n // 256,)](a, b, c, out, n, EMULATE_FMA=True, BLOCK=256)
     assert torch.equal(out.view(torch.int32), torch.addcmul(c, a, b).view(torch.int32))
+
+
+@needs_triton
+def test_each_mode_executes_its_own_copy_of_every_kernel_module():
+    """``launch.kernel_module`` executes the ``kernels`` package once per mode: every module
+    of a mode's copy, and every ``@jit`` function it holds (its own and those it imports
+    from its siblings), is decorated in that mode. A helper shared between the copies would
+    run compiled code in the interpreter, or interpreted code on a GPU."""
+    from triton.runtime.interpreter import InterpretedFunction  # noqa: PLC0415 - optional
+    from triton.runtime.jit import JITFunction  # noqa: PLC0415
+
+    expected = {"codes", "arithmetic", "columns", "draws", "rules", "landings", "step",
+                "check"}
+    for interpret, kind in ((True, InterpretedFunction), (False, JITFunction)):
+        package = launches.kernel_module(interpret)
+        modules = {name.rpartition(".")[2]: module for name, module in sys.modules.items()
+                   if name.startswith(package.__name__ + ".")}
+        assert set(modules) == expected
+        kernels = [value for module in (package, *modules.values())
+                   for value in vars(module).values()
+                   if isinstance(value, (InterpretedFunction, JITFunction))]
+        assert len(kernels) > 40
+        assert all(isinstance(k, kind) for k in kernels), interpret
+    assert launches.kernel_module(True) is not launches.kernel_module(False)
 
 
 def _hard_stochastic_inputs() -> torch.Tensor:
@@ -374,8 +399,9 @@ def _hard_stochastic_inputs() -> torch.Tensor:
 @needs_triton
 def test_stochastic_rounding_by_exponent_arithmetic_is_the_exact_division():
     """The kernels divide by the bf16 spacing with exponent arithmetic
-    (``kernels._over_spacing``): the rounding must be ``rounding._stochastic_round_bf16``'s
-    (an IEEE division, exact here: the spacing is a power of two) bit for bit, for draws at
+    (``kernels.draws._over_spacing``): the rounding must be
+    ``rounding._stochastic_round_bf16``'s (an IEEE division, exact here: the spacing is a
+    power of two) bit for bit, for draws at
     0, random ones, and ones at, just under and just over the probability (in float64 from
     the binade's spacing; at a binade's lower edge the downward spacing is half that, so
     there those draws are merely near it)."""
@@ -608,8 +634,8 @@ def test_a_planned_device_step_runs_the_same_operations_for_3_tensors_as_for_30(
     torch operations run for 3 tensors as for 30 (no per-tensor ``_foreach`` list, no
     stack)."""
     checked = []
-    real = collage.optim.base.nonfinite_flag
-    monkeypatch.setattr(collage.optim.base, "nonfinite_flag",
+    real = collage.optim.nonfinite.nonfinite_flag
+    monkeypatch.setattr(collage.optim.nonfinite, "nonfinite_flag",
                         lambda grads, **kw: checked.append(len(grads)) or real(grads, **kw))
     few_opt, few, few_ops = _device_plan_steps(3)
     checked.clear()

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from ..optim import AdamW, get_strategy
+from ..optim.strategies import MAIN_STRATEGIES
 
 __all__ = ["Candidate", "candidates", "available_baselines", "torchao_adamw", "torch_adamw",
            "STRATEGIES", "PATHS", "DEFAULT_PATHS", "BASELINES", "BASELINE_KEY",
            "DEFAULT_NONFINITE", "NONFINITE"]
 
-#: the strategies benchmarked by default (the main report's eight; any strategy is accepted)
-STRATEGIES = ("fp32", "mixed", "bf16", "kahan", "stochastic", "light", "plus", "split")
+#: the strategies benchmarked by default (the main report's; any strategy is accepted)
+STRATEGIES = MAIN_STRATEGIES
 #: collage's paths and the optimizer flags that select each (``collage.optim.dispatch``)
 PATH_FLAGS = {"fused": {"fused": True}, "foreach": {"foreach": True},
               "per_tensor": {"foreach": False}, "reference": {"reference": True}}

@@ -50,6 +50,8 @@ import torch
 
 from ..errors import UsageError
 from ..optim import AdamW, get_strategy
+from ..optim.strategies import MAIN_STRATEGIES, NAMES
+from ..optim.strategies.strategy import dtype_name
 from ..train.config import PRESETS, get_preset
 from ..train.data import VOCAB_SIZE
 from ..train.losses import cross_entropy
@@ -59,9 +61,12 @@ from . import common
 
 __all__ = ["register", "run", "MODES"]
 
-STRATEGIES = ("mixed", "bf16", "kahan", "stochastic", "light", "plus", "split")
-#: modes that train float32 weights with torch.optim.AdamW (fused), not a collage strategy
-TORCH_MODES = ("fp32", "autocast")
+#: the collage modes: the main report's strategies of bf16 weights
+STRATEGIES = tuple(name for name in MAIN_STRATEGIES
+                   if torch.bfloat16 in get_strategy(name).weight_dtypes)
+#: modes that train float32 weights with torch.optim.AdamW (fused), not a collage strategy:
+#: ``fp32`` (named by its weights' dtype) and ``autocast``
+TORCH_MODES = (dtype_name(torch.float32), "autocast")
 MODES = TORCH_MODES + STRATEGIES
 #: ``<strategy>+backward``: the strategy with ``step_in_backward=True`` (docs/memory.md);
 #: asked for by name, not in the default set
@@ -314,12 +319,12 @@ def run(*, modes=MODES, preset="paper-small", model=None, batch=None, steps=20, 
                 [x for p in paired for x in p])
             row["peak_vs_autocast"] = row["peak_bytes"] / max(reference["peak_bytes"], 1)
     checks = []
-    plus = next((r for r in rows if r["mode"] == "plus"), None)
+    plus = next((r for r in rows if r["mode"] == NAMES.plus), None)
     if plus and reference:
-        checks.append({"check": "plus tokens/s >= autocast tokens/s",
+        checks.append({"check": f"{NAMES.plus} tokens/s >= autocast tokens/s",
                        "value": plus["tokens_per_s_vs_autocast"], "target": 1.0,
                        "holds": plus["tokens_per_s_vs_autocast"] >= 1.0})
-        checks.append({"check": "plus peak memory <= 0.85 x autocast",
+        checks.append({"check": f"{NAMES.plus} peak memory <= 0.85 x autocast",
                        "value": plus["peak_vs_autocast"], "target": 0.85,
                        "holds": plus["peak_vs_autocast"] <= 0.85})
     return {

@@ -26,13 +26,13 @@ from ..metrics import UpdateStats
 from . import dispatch
 from .group import GroupStep, Item
 from .rules import ADAMW, LION, SGD, Rule
-from .strategies import get_strategy
+from .strategies import DEFAULT_STRATEGY, get_strategy
 
 __all__ = ["adamw", "sgd", "lion", "step"]
 
 
 def step(rule: Rule, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-         states: Sequence[dict], hyper: dict, *, strategy: str = "plus",
+         states: Sequence[dict], hyper: dict, *, strategy: str = DEFAULT_STRATEGY,
          foreach: bool | None = None, fused: bool | None = None, reference: bool = False,
          grad_scale: torch.Tensor | None = None, seed: int = 0,
          positions: Sequence[int] | None = None, names: Sequence[str] | None = None,

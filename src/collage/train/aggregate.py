@@ -21,6 +21,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from ..optim.strategies import NAMES
 from .memory import bytes_per_param
 from .runs import Run
 from .stats import estimate, paired_t_test
@@ -28,9 +29,9 @@ from .stats import estimate, paired_t_test
 __all__ = ["BASELINES", "REFERENCE", "pareto_front", "paired", "records"]
 
 #: The run the "vs fp32" column compares with (same beta2, same learning rate).
-REFERENCE = "fp32"
+REFERENCE = NAMES.fp32
 #: The baselines every strategy is tested against over seeds.
-BASELINES = ("fp32", "mixed")
+BASELINES = (NAMES.fp32, NAMES.mixed)
 #: Losses: a pooled record gives their mean over seeds (a diverged seed's NaN shows).
 LOSSES = ("final_train_loss", "final_val_loss", "final_val_ppl", "best_val_loss")
 #: Measurements: a pooled record gives the mean of the seeds that measured them.

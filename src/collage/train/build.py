@@ -18,7 +18,7 @@ from ..errors import UsageError
 from ..optim import AdamW, get_strategy
 from .config import BASELINES, Config, OptimConfig
 from .data import vocab_size
-from .gemm import set_mode
+from .gemm import BF16, set_mode
 from .models import build_model
 
 __all__ = [
@@ -66,7 +66,7 @@ def state_checksum(state: dict[str, torch.Tensor]) -> str:
 
 
 def prepare_model(config: Config, strategy: str, init: dict[str, torch.Tensor],
-                  device: torch.device, *, bf16_gemm: str = "bf16") -> nn.Module:
+                  device: torch.device, *, bf16_gemm: str = BF16) -> nn.Module:
     """The model with the float32 weights ``init``, converted to the strategy's dtype;
     ``bf16_gemm``: how its bf16 matrix products are computed (``collage.train.gemm``)."""
     model = build_model(config.model, vocab_size(config.data), seed=config.run.seed)

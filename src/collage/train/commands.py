@@ -21,7 +21,8 @@ from .config import Config, strategies
 from .data import VOCAB_SIZE, load_corpus, make_batches
 from .distributed import launch, teardown, under_launcher
 from .flags import add_config_flags, config_from_args
-from .memory import COMPARED_WITH, GRAD_DTYPES, bytes_per_param, memory_table
+from .memory import (COMPARED_WITH, DEFAULT_GRAD_DTYPE, GRAD_DTYPES, bytes_per_param,
+                     memory_table)
 from .models import build_model, is_causal
 from .outputs import write_json
 from .runner import train_strategy
@@ -79,7 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "the model of --preset / the model flags when given)")
     p.add_argument("--strategy", nargs="+", default=None, metavar="NAME",
                    help="strategies to show, space or comma separated (default: all)")
-    p.add_argument("--grad-dtype", default="bf16", metavar="{bf16,fp32,none}",
+    p.add_argument("--grad-dtype", default=DEFAULT_GRAD_DTYPE, metavar="{bf16,fp32,none}",
                    help="gradient bytes: bf16 (the low-precision strategies' own), fp32 "
                    "(also --grad-accumulation pair while accumulating), none "
                    "(--step-in-backward: each gradient freed in backward)")

@@ -19,6 +19,8 @@ from typing import Any
 from ..errors import UsageError
 from ..optim import STRATEGIES
 from ..optim.backward import GRAD_ACCUMULATIONS
+from ..optim.strategies import DEFAULT_STRATEGY, MAIN_STRATEGIES, NAMES
+from . import gemm
 from .gemm import MODES as GEMM_MODES
 
 __all__ = [
@@ -46,8 +48,8 @@ DEVICES = ("cpu", "cuda", "auto")
 #: Baselines that are not collage strategies, run by name (``build.make_optimizer``).
 BASELINES = ("torchao-adamw8bit",)
 #: What ``collage compare`` runs without ``--strategies`` (the committed reports' set); the
-#: 8-bit strategies and the baselines are opt-in.
-DEFAULT_COMPARE = ("fp32", "mixed", "bf16", "kahan", "stochastic", "light", "plus", "split")
+#: ``opt_in`` strategies and the baselines are asked for by name.
+DEFAULT_COMPARE = MAIN_STRATEGIES
 
 
 def strategies() -> tuple[str, ...]:
@@ -190,7 +192,7 @@ class DataConfig:
 class OptimConfig:
     """collage.AdamW and its learning-rate schedule."""
 
-    strategy: str = _opt("plus", "precision strategy (train)", commands=("train",))
+    strategy: str = _opt(DEFAULT_STRATEGY, "precision strategy (train)", commands=("train",))
     lr: float = _opt(2e-3, "peak learning rate")
     beta1: float = _opt(0.9, "AdamW beta1")
     beta2: float = _opt(0.999, "AdamW beta2")
@@ -402,7 +404,7 @@ class Config:
         if hooked and self.run.nproc > 1:
             raise UsageError("--step-in-backward and --grad-accumulation pair run before "
                              "DDP's all-reduce (docs/memory.md): use --nproc 1")
-        if self.model.hf and self.run.bf16_gemm == "fp32":
+        if self.model.hf and self.run.bf16_gemm == gemm.FP32:
             raise UsageError("--bf16-gemm fp32: transformers' modules (--hf) multiply with "
                              "torch's kernels; use --bf16-gemm auto or bf16")
         if self.data.tokenizer != "bytes" and self.model.family == "bert":
@@ -488,8 +490,8 @@ def bert_small() -> Config:
 
 #: The strategies of the study (docs/study.md), in its order; those this build of collage
 #: does not register (``collage.STRATEGIES``) are left out of the preset.
-STUDY_STRATEGIES = ("fp32", "mixed", "bf16", "stochastic", "kahan", "light", "plus", "split",
-                    "feedback", "plus8")
+STUDY_STRATEGIES = (NAMES.fp32, NAMES.mixed, NAMES.bf16, NAMES.stochastic, NAMES.kahan,
+                    NAMES.light, NAMES.plus, NAMES.split, NAMES.feedback, NAMES.plus8)
 
 
 def study() -> Config:
@@ -504,14 +506,14 @@ def study() -> Config:
                           min_lr_ratio=0.1, grad_clip=1.0),
         run=RunConfig(steps=600, eval_every=150, eval_batches=16, track_every=50, seeds=3,
                       beta2s=(0.95, 0.999), lrs=(1e-3, 2e-3, 4e-3),
-                      lrs_strategies=("stochastic",), resume=True, checkpoint_every=100,
+                      lrs_strategies=(NAMES.stochastic,), resume=True, checkpoint_every=100,
                       strategies=tuple(s for s in STUDY_STRATEGIES if s in strategies())),
         preset="study",
     )
 
 
 #: What ``gpu-study`` compares: pure bf16 against fp32 master weights and Collage's two.
-GPU_STUDY_STRATEGIES = ("bf16", "mixed", "light", "plus")
+GPU_STUDY_STRATEGIES = (NAMES.bf16, NAMES.mixed, NAMES.light, NAMES.plus)
 
 
 def gpu_study() -> Config:

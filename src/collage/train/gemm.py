@@ -51,11 +51,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MODES", "THRESHOLD", "Bf16Gemm", "Linear", "attention", "choose", "linear",
-           "probe", "set_mode"]
+from ..optim.strategies.strategy import dtype_name
 
+__all__ = ["BF16", "FP32", "MODES", "THRESHOLD", "Bf16Gemm", "Linear", "attention", "choose",
+           "linear", "probe", "set_mode"]
+
+#: the forced modes, named by the dtype their GEMMs compute in (``dtype_name``)
+BF16, FP32 = dtype_name(torch.bfloat16), dtype_name(torch.float32)
 #: ``--bf16-gemm``: auto (probe), bf16 (torch's bf16 GEMM), fp32 (float32 GEMM, rounded).
-MODES = ("auto", "bf16", "fp32")
+MODES = ("auto", BF16, FP32)
 
 #: The probe's GEMM, (M, K, N): small enough for a few milliseconds where bf16 GEMMs are
 #: slow (about 14 ms a call at the EPYC's 0.3 GFLOP/s), large enough that call overheads
@@ -135,10 +139,10 @@ def _upcast_pays(*tensors: torch.Tensor | None) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           mode: str = "bf16") -> torch.Tensor:
+           mode: str = BF16) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; in ``fp32`` mode with bf16 operands, as float32 GEMMs
     rounded once to bf16 (forward and backward; see the module's docstring)."""
-    if mode == "fp32" and _upcast_pays(x, weight, bias):
+    if mode == FP32 and _upcast_pays(x, weight, bias):
         return _Fp32Linear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -147,7 +151,7 @@ class Linear(nn.Linear):
     """``nn.Linear`` whose bf16 products follow ``bf16_gemm`` (:func:`set_mode`): the same
     parameters, names and state dict; ``bf16`` (the default) is ``nn.Linear`` itself."""
 
-    bf16_gemm = "bf16"
+    bf16_gemm = BF16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, mode=self.bf16_gemm)
@@ -197,10 +201,10 @@ def _attention_forward(q, k, v, causal: bool) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-              dropout: float = 0.0, mode: str = "bf16") -> torch.Tensor:
+              dropout: float = 0.0, mode: str = BF16) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` (default scale); in ``fp32`` mode with bf16
     inputs and no dropout, computed in float32 and rounded once to bf16."""
-    if mode == "fp32" and dropout == 0.0 and _upcast_pays(q, k, v):
+    if mode == FP32 and dropout == 0.0 and _upcast_pays(q, k, v):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             return _Fp32Attention.apply(q, k, v, causal)
         return _attention_forward(q, k, v, causal)
@@ -247,8 +251,8 @@ def _timed() -> dict[str, Any]:
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(m, k, generator=generator).bfloat16()
     b = torch.randn(n, k, generator=generator).bfloat16()
-    candidates = {"bf16": lambda: F.linear(a, b),
-                  "fp32": lambda: F.linear(a.float(), b.float()).bfloat16()}
+    candidates = {BF16: lambda: F.linear(a, b),
+                  FP32: lambda: F.linear(a.float(), b.float()).bfloat16()}
     best = {}
     for name, fn in candidates.items():
         fn()  # a first call may build kernels or pack weights
@@ -258,9 +262,9 @@ def _timed() -> dict[str, Any]:
             start = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - start)
-    ratio = best["bf16"] / max(best["fp32"], 1e-9)
-    return {"shape": list(PROBE_SHAPE), "bf16_ms": best["bf16"] * 1e3,
-            "fp32_ms": best["fp32"] * 1e3, "ratio": ratio, "threshold": THRESHOLD}
+    ratio = best[BF16] / max(best[FP32], 1e-9)
+    return {"shape": list(PROBE_SHAPE), "bf16_ms": best[BF16] * 1e3,
+            "fp32_ms": best[FP32] * 1e3, "ratio": ratio, "threshold": THRESHOLD}
 
 
 @dataclass(frozen=True)
@@ -285,8 +289,8 @@ class Bf16Gemm:
 
     def describe(self) -> str:
         """One line: what was computed, and why (the flag, or the probe's timings)."""
-        what = {"bf16": "torch's bf16 GEMM",
-                "fp32": "float32 GEMMs on the upcast bf16 operands, rounded once to bf16"}
+        what = {BF16: "torch's bf16 GEMM",
+                FP32: "float32 GEMMs on the upcast bf16 operands, rounded once to bf16"}
         line = f"{what[self.mode]} (--bf16-gemm {self.requested}"
         if self.probe is not None:
             p = self.probe
@@ -306,6 +310,6 @@ def choose(requested: str, device: torch.device | str = "cpu") -> Bf16Gemm:
     if requested != "auto":
         return Bf16Gemm(requested, requested)
     if torch.device(device).type != "cpu":
-        return Bf16Gemm("bf16", requested)
+        return Bf16Gemm(BF16, requested)
     measured = probe()
-    return Bf16Gemm("fp32" if measured["ratio"] > THRESHOLD else "bf16", requested, measured)
+    return Bf16Gemm(FP32 if measured["ratio"] > THRESHOLD else BF16, requested, measured)

@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..optim.rules import ADAMW, RULES
-from ..optim.strategies import Component, Strategy, all_strategies
+from ..optim.strategies import NAMES, Component, Strategy, all_strategies
 from ..optim.strategies.strategy import ROLE_COLUMNS, dtype_name
 
 __all__ = [
@@ -70,10 +70,12 @@ __all__ = [
 
 #: the gradient's bytes: "bf16" (the weight's dtype, as autograd makes it), "fp32" (fp32
 #: gradients; also ``grad_accumulation="pair"``'s float32 sums while accumulating), "none"
-#: (``step_in_backward=True``: each gradient is freed as its parameter is stepped)
-GRAD_DTYPES = ("bf16", "fp32", "none")
+#: (``step_in_backward=True``: each gradient is freed as its parameter is stepped); the
+#: dtypes by their short names (``dtype_name``)
+GRAD_DTYPES = (dtype_name(torch.bfloat16), dtype_name(torch.float32), "none")
+DEFAULT_GRAD_DTYPE = GRAD_DTYPES[0]
 #: The strategy ``collage memory`` states every total against (the usual mixed precision).
-COMPARED_WITH = "mixed"
+COMPARED_WITH = NAMES.mixed
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,7 @@ class BytesPerParam:
         return {**asdict(self), "total": self.total}
 
 
-def bytes_per_param(strategy: str, grad_dtype: str = "bf16") -> BytesPerParam:
+def bytes_per_param(strategy: str, grad_dtype: str = DEFAULT_GRAD_DTYPE) -> BytesPerParam:
     """The persistent bytes per parameter of ``strategy`` (see the module table).
 
     ``grad_dtype`` is the gradient dtype of the low-precision strategies ("bf16": the
@@ -183,7 +185,7 @@ def bytes_per_param(strategy: str, grad_dtype: str = "bf16") -> BytesPerParam:
     if grad_dtype not in GRAD_DTYPES:
         raise ValueError(f"grad_dtype {grad_dtype!r} is unknown; valid: " + ", ".join(GRAD_DTYPES))
     layout = _LAYOUTS[strategy]
-    grad = torch.float32 if grad_dtype == "fp32" else layout.weight_dtype
+    grad = torch.float32 if grad_dtype == dtype_name(torch.float32) else layout.weight_dtype
     grad_text, grad_bytes = f"g {dtype_name(grad)}", grad.itemsize
     if grad_dtype == "none":  # step in backward: one parameter's gradient at a time
         grad_text, grad_bytes = "g freed in backward", 0
@@ -192,7 +194,8 @@ def bytes_per_param(strategy: str, grad_dtype: str = "bf16") -> BytesPerParam:
                          layout.compensation, text)
 
 
-def memory_table(n_params: float, strategies: Iterable[str], grad_dtype: str = "bf16") -> str:
+def memory_table(n_params: float, strategies: Iterable[str],
+                 grad_dtype: str = DEFAULT_GRAD_DTYPE) -> str:
     """A plain-text table of bytes per parameter and totals for ``n_params`` parameters."""
     baseline = bytes_per_param(COMPARED_WITH, grad_dtype).total * n_params
     strategies = list(strategies)

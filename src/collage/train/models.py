@@ -28,7 +28,7 @@ from torch import nn
 
 from ..errors import UsageError
 from .config import FAMILIES, ModelConfig
-from .gemm import Linear, attention
+from .gemm import BF16, Linear, attention
 
 __all__ = ["FAMILIES", "GPT", "Llama", "Bert", "build_model", "logits_of", "is_causal"]
 
@@ -174,7 +174,7 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class GPTAttention(nn.Module):
-    bf16_gemm = "bf16"  # collage.train.gemm.set_mode
+    bf16_gemm = BF16  # collage.train.gemm.set_mode
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -261,7 +261,7 @@ def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    bf16_gemm = "bf16"  # collage.train.gemm.set_mode
+    bf16_gemm = BF16  # collage.train.gemm.set_mode
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -337,7 +337,7 @@ class Llama(nn.Module):
 class BertLayer(nn.Module):
     """Post-LN encoder layer with BERT's module names."""
 
-    bf16_gemm = "bf16"  # its attention's (collage.train.gemm.set_mode)
+    bf16_gemm = BF16  # its attention's (collage.train.gemm.set_mode)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

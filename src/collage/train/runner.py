@@ -44,7 +44,7 @@ from .checkpoint import (
 from .config import Config
 from .data import Batches, Corpus, load_corpus, make_batches
 from .distributed import Ranks, setup
-from .gemm import Bf16Gemm, choose, set_mode
+from .gemm import BF16, Bf16Gemm, choose, set_mode
 from .history import family_means, mean, new_history, record_stats, tail_mean
 from .memory import TensorMemoryProbe, current_rss_bytes, peak_rss_bytes, persistent_bytes
 from .models import is_causal
@@ -129,7 +129,7 @@ def _bf16_gemm(config: Config, strategy: str, device: torch.device,
     if weight_dtype(strategy) != torch.bfloat16:
         return None
     if config.model.hf:
-        return Bf16Gemm("bf16", config.run.bf16_gemm)
+        return Bf16Gemm(BF16, config.run.bf16_gemm)
     return given or choose(config.run.bf16_gemm, device)
 
 
@@ -155,7 +155,7 @@ def _start(config: Config, strategy: str, *, beta2: float,
         torch.cuda.reset_peak_memory_stats(device)
     gemm = _bf16_gemm(config, strategy, device, gemm)
     model = prepare_model(config, strategy, init, device,
-                          bf16_gemm=gemm.mode if gemm else "bf16")
+                          bf16_gemm=gemm.mode if gemm else BF16)
     model.train()
     opt = make_optimizer(model, config.optim, strategy, beta2=beta2, track_every=run.track_every,
                          seed=run.seed)

@@ -1,10 +1,11 @@
 """Building, caching and loading the native library.
 
 **Sources.** ``SOURCES``, shipped with the package, split by concern (``native.h`` maps
-them): ``native.h`` (layout, ABI, exported functions), ``rounding.h`` (bit helpers),
-``step.h`` and ``step_avx512.h`` (the per-element step, shared by the measured and
-unmeasured kernels), and three translation units, ``UNITS``: ``adamw.c`` (unmeasured entry
-points), ``measured.c`` (the measured one), ``support.c`` (the rest).
+them): ``native.h`` (layout, ABI, exported functions), ``rounding.h`` and ``stochastic.h``
+(bit helpers: rounding to nearest; the draws and stochastic rounding), ``step.h`` and
+``step_avx512.h`` (the per-element step, shared by the measured and unmeasured kernels),
+and three translation units, ``UNITS``: ``adamw.c`` (unmeasured entry points),
+``measured.c`` (the measured one), ``support.c`` (the rest).
 
 **Build.** The units are compiled on first use with the system C compiler (``$CC``, else
 ``cc``, ``gcc``, ``clang``) in one call, ``cc -O3 -march=native -ffp-contract=off -fopenmp
@@ -73,8 +74,8 @@ _HERE = Path(__file__).parent
 UNITS = tuple(_HERE / name for name in ("adamw.c", "measured.c", "support.c"))
 #: every C source of the library, the units and the headers they include: the cache key
 #: hashes them all
-SOURCES = UNITS + tuple(_HERE / name for name in ("native.h", "rounding.h", "simd.h",
-                                                  "rounding_vector.h", "step.h",
+SOURCES = UNITS + tuple(_HERE / name for name in ("native.h", "rounding.h", "stochastic.h",
+                                                  "simd.h", "rounding_vector.h", "step.h",
                                                   "step_avx512.h", "step_vector.h"))
 ABI = 8
 # in order of preference: OpenMP (torch's own runtime once loaded), without, portable

@@ -7,8 +7,9 @@
  * The files, by concern:
  *   native.h       this header: build switches, the ABI, the layout of the table and of the
  *                  coefficients, the thread split, the exported functions
- *   rounding.h     bit helpers: bf16 rounding (nearest even, stochastic), the draws' hash,
- *                  split encode/decode, 16- and 32-lane loads and stores (scalar, AVX-512)
+ *   rounding.h     bit helpers: bf16 rounding to nearest even, residual pairs, split
+ *                  encode/decode, 16- and 32-lane loads and stores (scalar, AVX-512)
+ *   stochastic.h   the draws' hash and bf16 stochastic rounding (scalar, AVX-512)
  *   step.h         the per-element AdamW step and its lost-update sums, shared by the
  *                  measured and unmeasured kernels (portable build; run_piece dispatches)
  *   step_avx512.h  the same step on 16 and 32 lanes

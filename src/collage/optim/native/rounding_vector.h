@@ -1,17 +1,18 @@
-/* bf16 rounding on simd.h's vectors of VL lanes, for step_vector.h: rounding.h's scalar
- * helpers lane by lane (nearest even, the residual pairs and their normalisation, the
- * stochastic draws' hash and rounding, split's words), each the same bits as its scalar
- * reference. Results rounded to bf16 stay widened: their bits in the high halves, the low
- * halves zero. */
+/* bf16 rounding on simd.h's vectors of VL lanes, for step_vector.h: rounding.h's and
+ * stochastic.h's scalar helpers lane by lane (nearest even, the residual pairs and their
+ * normalisation, the stochastic draws' hash and rounding, split's words), each the same
+ * bits as its scalar reference. Results rounded to bf16 stay widened: their bits in the
+ * high halves, the low halves zero. */
 
 #ifndef COLLAGE_ROUNDING_VECTOR_H
 #define COLLAGE_ROUNDING_VECTOR_H
 
 #include "rounding.h"
 #include "simd.h"
+#include "stochastic.h"
 
 /* ------------------------------------------------------------------------------------ */
-/* rounding on VL lanes (rounding.h's scalar helpers, lane by lane)                       */
+/* rounding on VL lanes (the scalar helpers, lane by lane)                               */
 /* ------------------------------------------------------------------------------------ */
 
 /* all ones where x is inf or nan (the exponent field all ones); callers clear those lanes
@@ -91,7 +92,7 @@ static inline __attribute__((always_inline)) vu g_hash_rounds(vu p, uint32_t key
     return p * MIX32_C2;
 }
 
-/* The hash z of the elements ``index`` whose top 16 bits are their draws' (rounding.h,
+/* The hash z of the elements ``index`` whose top 16 bits are their draws' (stochastic.h,
  * v_hash_rounds: the xor-shifts that do not reach them dropped, exactly) */
 static inline __attribute__((always_inline)) vu g_hash(vu index, uint32_t key0,
                                                      uint32_t key1) {
@@ -106,7 +107,7 @@ static inline __attribute__((always_inline)) vu g_draw(vu index, uint32_t key0,
     return g_hash(index, key0, key1) >> 16;
 }
 
-/* bf_stochastic with the draws' top 16 bits ``d``, widened: rounding.h's v_stochastic32
+/* bf_stochastic with the draws' top 16 bits ``d``, widened: stochastic.h's v_stochastic32
  * (the proof is there), lane by lane in integer arithmetic */
 static inline __attribute__((always_inline)) vu g_stochastic(vf x, vu d) {
     vu bits = u_bits(x);
@@ -124,7 +125,7 @@ static inline __attribute__((always_inline)) vu g_stochastic(vf x, vu d) {
 }
 
 /* g_stochastic of 2 VL elements (the even and odd halves, with their hashes ``ze`` and
- * ``zo``), packed in element order: rounding.h's v_stochastic2 (the proof is there) on
+ * ``zo``), packed in element order: stochastic.h's v_stochastic2 (the proof is there) on
  * 16-bit lanes, both halves at once: with H the high halves (sign and t), L the low ones
  * and d the draws, rounded up is the top bit of avg(L, 0x7FFE | (H & 1)), up is L > (d ^
  * rounded up's mask), and the result H + up. Blocks with a lane at or above the largest

@@ -49,6 +49,7 @@
 
 #include "rounding.h"
 #include "simd.h"
+#include "stochastic.h"
 
 /* ------------------------------------------------------------------------------------ */
 /* lost-update sums (measured steps)                                                      */

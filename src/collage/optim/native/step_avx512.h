@@ -7,6 +7,7 @@
 #define COLLAGE_STEP_AVX512_H
 
 #include "rounding.h"
+#include "stochastic.h"
 
 /* One table row in locals: intrinsic stores may alias anything, so pointers read from the
  * table inside the loop would be reloaded after every store. */

@@ -220,7 +220,7 @@ static inline __attribute__((always_inline)) void plain_block(
 
 /* The hashes of the 2 VL elements ``first + 0 ..``, even (``*ze``) and odd (``*zo``).
  * Where ``first`` is a multiple of 2 VL (every block of a row that starts so), the first
- * round's product is a table lookup, exactly (rounding.h's v_hash2 says why): with B1 =
+ * round's product is a table lookup, exactly (stochastic.h's v_hash2 says why): with B1 =
  * B ^ (B >> 16), B = first ^ key0, and l its low bits below 2 VL, the product of lane j
  * is (B1 - l) * C1 + (l ^ offset_j) * C1 mod 2**32, the second term c->products[l]. */
 static inline __attribute__((always_inline)) void g_hash_block(const gcoeffs *c,

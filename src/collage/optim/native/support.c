@@ -5,6 +5,7 @@
 #include "native.h"
 #include "rounding.h"
 #include "step.h"
+#include "stochastic.h"
 
 int collage_native_abi(void) { return COLLAGE_ABI; }
 /* the loop the step runs on (native.h's ISA_*) */

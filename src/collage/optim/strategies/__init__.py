@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from types import SimpleNamespace
 
 import torch
 
 from .strategy import Component, Strategy
 
-__all__ = ["STRATEGIES", "Component", "Strategy", "get_strategy", "all_strategies",
-           "check_weight"]
+__all__ = ["STRATEGIES", "NAMES", "MAIN_STRATEGIES", "DEFAULT_STRATEGY", "Component",
+           "Strategy", "get_strategy", "all_strategies", "check_weight"]
 
 
 def _discover() -> dict[str, Strategy]:
@@ -36,6 +37,15 @@ def _discover() -> dict[str, Strategy]:
 
 _BY_NAME = _discover()
 STRATEGIES: tuple[str, ...] = tuple(_BY_NAME)
+#: the registered names as attributes (``NAMES.plus == "plus"``): code outside this package
+#: names a strategy through it, never as a string literal (tests/test_layout.py), so that a
+#: misspelt or unregistered name fails at import
+NAMES = SimpleNamespace(**{name: name for name in STRATEGIES})
+#: the main report's strategies, in ``STRATEGIES`` order: what comparisons and benchmarks
+#: run when none are named (every strategy but the ``opt_in`` ones)
+MAIN_STRATEGIES: tuple[str, ...] = tuple(name for name, s in _BY_NAME.items() if not s.opt_in)
+#: the strategy the optimizers use when none is named
+DEFAULT_STRATEGY: str = NAMES.plus
 
 
 def all_strategies() -> tuple[Strategy, ...]:

@@ -28,6 +28,7 @@ class Feedback(Strategy):
     weight_dtypes = (torch.bfloat16, torch.float16)
     rules = frozenset({"adamw", "sgd"})
     native_code = None
+    opt_in = True
 
     def check_group(self, rule, group):
         beta = group["betas"][0] if "betas" in group else group.get("momentum", 0.0)

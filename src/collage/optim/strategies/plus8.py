@@ -26,6 +26,7 @@ class Plus8(Plus):
     rules = frozenset({"adamw"})
     draws = True
     native_code = None
+    opt_in = True
 
     def state_components(self, rule, weight_dtype):
         block = eight_bit.BLOCK

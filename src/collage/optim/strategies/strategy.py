@@ -130,7 +130,8 @@ class Strategy:
     moment, Lion's momentum) is a pair ``(x, x_lo)``; ``rules``: the rules it supports
     (None: all); ``draws``: the strategy rounds with keyed uniform draws (``stochastic``,
     ``plus8``): its kernels take the draw key; ``native_code``: its number in the native C
-    kernels, or None.
+    kernels, or None; ``opt_in``: not one of the main report's strategies, so compared and
+    benchmarked only where named (``MAIN_STRATEGIES`` leaves it out).
     """
 
     name: str = ""
@@ -142,6 +143,7 @@ class Strategy:
     rules: frozenset[str] | None = None
     draws: bool = False
     native_code: int | None = None
+    opt_in: bool = False
 
     # ------------------------------------------------------------------ layout
 

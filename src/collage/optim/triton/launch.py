@@ -21,6 +21,7 @@ import math
 import operator
 import os
 import struct
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -88,17 +89,20 @@ def _mode(interpret: bool) -> Iterator[None]:
 
 
 def kernel_module(interpret: bool) -> ModuleType:
-    """``kernels.py`` compiled (GPU) or interpreted (``interpret``: CPU tensors).
+    """The ``kernels`` package compiled (GPU) or interpreted (``interpret``: CPU tensors).
 
-    ``@triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, so the module is executed
+    ``@triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, so the package is executed
     once per mode under that mode, not imported: a process can step CPU tensors through
     the interpreter and CUDA tensors with compiled kernels, whatever the variable said
-    when collage was imported."""
+    when collage was imported. Each mode's copy has a name of its own (registered, so that
+    its modules' relative imports load that mode's copies of each other)."""
     if interpret not in _MODULES:
         name = f"{__package__}.kernels_{'interpreted' if interpret else 'compiled'}"
-        spec = importlib.util.spec_from_file_location(name,
-                                                      Path(__file__).with_name("kernels.py"))
+        folder = Path(__file__).with_name("kernels")
+        spec = importlib.util.spec_from_file_location(
+            name, folder / "__init__.py", submodule_search_locations=[str(folder)])
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
         with _mode(interpret):
             spec.loader.exec_module(module)
         _MODULES[interpret] = module

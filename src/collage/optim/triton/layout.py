@@ -1,6 +1,6 @@
 """The Triton kernels' interface: the launch table's columns, the dtype and rule codes, and
 the order of the per-step coefficients. Plain Python (no Triton): ``launch.py`` builds
-what ``kernels.py`` reads, both from these numbers.
+what the ``kernels`` package reads (``kernels/codes.py``), both from these numbers.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ C_NUMEL, C_INDEX, C_MIX, C_STEP = 6, 7, 8, 9
 #: coefficients per row in the capturable table (the most any rule passes)
 NCOEF = 8
 
-#: column dtype codes (``kernels.F32``, ``BF16``, ``F16``); split's int16 low bits are
+#: column dtype codes (``kernels.codes.F32``, ``BF16``, ``F16``); split's int16 low bits are
 #: read as raw bits (code 3)
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int16: 3}
 
-#: the rules the kernels compute (``kernels.ADAMW``, ``SGD``, ``LION``), by ``Rule.name``
+#: the rules the kernels compute (``kernels.codes.ADAMW``, ``SGD``, ``LION``), by ``Rule.name``
 RULE_CODES = {"adamw": 0, "sgd": 1, "lion": 2}
 
 #: the coefficients each rule's kernel reads (``Rule.coefficients`` keys), in order
@@ -45,7 +45,7 @@ COEFFICIENTS = {
 }
 
 #: the landings the kernels compute, by the strategies' ``native_code`` (fp32, mixed,
-#: bf16, kahan, stochastic, light, plus, split: ``kernels.L_*``)
+#: bf16, kahan, stochastic, light, plus, split: ``kernels.codes.L_*``)
 LANDINGS = frozenset(range(8))
 
 #: the Triton types of ``kernels.multi_tensor_step``'s runtime (not constexpr) arguments, for

@@ -135,7 +135,7 @@ def _launch_of(group: GroupStep, key: tuple, bucket: list[Entry],
 def _aligned(entry: Entry) -> bool:
     """Whether every tensor of ``entry`` starts on 16 bytes (the caching allocator's
     blocks do; a view may not): such entries share launches whose loads are vectors, the
-    others get their own (``kernels._address``)."""
+    others get their own (``kernels.columns._pointer``'s ``ALIGNED``)."""
     tensors = (entry.param, entry.grad, *entry.tensors.values())
     return launches.on_16_bytes(t.data_ptr() for t in tensors)
 
