@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import collage
-from collage.optim import base, dispatch
+from collage.optim import dispatch
+from collage.optim import nonfinite as nonfinite_policy
 
 from ._common import PATHS, assert_bitwise_equal, loss_of, make_mlp, snapshot
 
@@ -20,7 +21,7 @@ def checks(monkeypatch) -> list[int]:
     gradients each reads: the check of gradient lists, and the one a step of every group
     by its native plan makes in its C call (``check=True``)."""
     calls: list[int] = []
-    original, planned = base.nonfinite_flag, dispatch.step_native_plans
+    original, planned = nonfinite_policy.nonfinite_flag, dispatch.step_native_plans
 
     def counted(grads, **options):
         calls.append(len(grads))
@@ -31,7 +32,7 @@ def checks(monkeypatch) -> list[int]:
             calls.append(sum(len(p.plan_grads) for p in prepared if p is not None))
         return planned(prepared, check)
 
-    monkeypatch.setattr(base, "nonfinite_flag", counted)
+    monkeypatch.setattr(nonfinite_policy, "nonfinite_flag", counted)
     monkeypatch.setattr(dispatch, "step_native_plans", counted_plans)
     return calls
 

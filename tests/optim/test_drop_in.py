@@ -244,12 +244,13 @@ def test_a_group_holding_the_same_immutable_values_is_not_snapshotted(monkeypatc
     not snapshotted again (``_hyper_key``: a Python call per value, a step's fixed cost);
     a value set anew (an equal one too: snapshotted once, then remembered), a key added,
     or a list edited in place (a mutable value: snapshotted every step) is seen."""
-    from collage.optim import base
+    from collage.optim import admission
 
     model, opt = _trained("plus")
     snapshots = []
-    real = base._hyper_key
-    monkeypatch.setattr(base, "_hyper_key", lambda group: snapshots.append(1) or real(group))
+    real = admission._hyper_key
+    monkeypatch.setattr(admission, "_hyper_key",
+                        lambda group: snapshots.append(1) or real(group))
     group = opt.param_groups[0]
     train_step(model, opt, 2)
     assert snapshots == []
@@ -276,12 +277,12 @@ def test_a_scheduled_learning_rate_checks_the_settings_not_every_parameter(monke
     validated again (a bad value still refuses the step, nothing changed); its parameters,
     the same ones for the same strategy, are not checked one by one again. A new strategy
     checks every parameter again."""
-    from collage.optim import base
+    from collage.optim import admission
 
     model, opt = _trained("plus")
     checked = []
-    real = base._check_parameter
-    monkeypatch.setattr(base, "_check_parameter",
+    real = admission._check_parameter
+    monkeypatch.setattr(admission, "_check_parameter",
                         lambda name, *a, **k: checked.append(name) or real(name, *a, **k))
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)
     for step in range(3):

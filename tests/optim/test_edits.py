@@ -30,7 +30,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import collage
 from collage.optim import compiled, edits, get_strategy
-from collage.optim import base as optim_base
+from collage.optim import admission
 from collage.optim.native import plan as native_plan
 from collage.optim.triton import launch as launches
 
@@ -356,7 +356,7 @@ class _Rederivations:
             original(*args)
 
         monkeypatch.setattr(edits, "rederive", counted)
-        monkeypatch.setattr(optim_base, "rederive", counted)
+        monkeypatch.setattr(admission, "rederive", counted)
 
 
 def _detection_off(monkeypatch) -> None:

@@ -320,13 +320,13 @@ def test_the_default_check_of_planned_groups_reads_their_tables(strategy, where,
                                                                monkeypatch) -> None:
     """#31: where every group of a step has its plan ready, one C call checks and steps
     them all (``step_plans`` with ``check``), not the gradient lists' check
-    (``base.nonfinite_flag``) nor a plan's step of one group (``NativePlan.step``), both
+    (``nonfinite.nonfinite_flag``) nor a plan's step of one group (``NativePlan.step``), both
     refused here: a non-finite element in any group's last element (tensor ``where``; the
     tensor of group 1 is cut between two threads, so the thread that finds it is not the
     one stepping group 0) skips the whole step (every weight and state bitwise unchanged,
     one skip counted, the parameter named); finite gradients step as the general path
     does, bit for bit."""
-    from collage.optim import base
+    from collage.optim import nonfinite
 
     def groups(params):
         return [{"params": params[:2], "weight_decay": 0.0},
@@ -346,7 +346,7 @@ def test_the_default_check_of_planned_groups_reads_their_tables(strategy, where,
     def refused(*args, **kwargs):
         raise AssertionError("a planned step listed its gradients for the check")
 
-    monkeypatch.setattr(base, "nonfinite_flag", refused)
+    monkeypatch.setattr(nonfinite, "nonfinite_flag", refused)
     monkeypatch.setattr(NativePlan, "step", refused)
     checked = []
     one_call = native_plan.step_plans

@@ -177,7 +177,7 @@ def test_grad_scaler_overflow_changes_nothing(strategy, path):
 
 
 def test_grad_scaler_skip_is_counted():
-    """A skip decided by GradScaler counts in ``skipped_steps`` like any other skip (base.py:
+    """A skip decided by GradScaler counts in ``skipped_steps`` like any other skip (nonfinite.py:
     "GradScaler already checked every gradient; it skips (and we count) on overflow")."""
     opt = _grad_scaler_skip("plus", "foreach")
     assert opt.skipped_steps == 1, (

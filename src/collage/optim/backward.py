@@ -4,17 +4,21 @@ gradient accumulation (``docs/memory.md``).
 Both run in a hook torch calls on each parameter once its gradient is complete
 (``Tensor.register_post_accumulate_grad_hook``), and both free ``p.grad`` there:
 
-* ``step_in_backward=True``: the hook steps the parameter (``CollageOptimizer._step_one``);
-  ``opt.step()`` afterwards keeps the books (:class:`Cycle`).
+* ``step_in_backward=True``: the hook steps the parameter (:func:`step_one`: what ``step()``
+  does to it, as a group of one); ``opt.step()`` afterwards keeps the books (:class:`Cycle`:
+  :func:`take_cycle`, :func:`close_cycle`).
 * ``grad_accumulation="pair"``: the hook adds the gradient into a float32 running sum kept
   here (:class:`GradSums`); ``step()`` writes its bf16 rounding into ``p.grad`` first.
 
-This module holds the plain parts: the keywords' validation, the refusals under data
-parallelism, the hooks' bookkeeping and the running sums. The optimizer calls them.
+The plain parts (the keywords' validation, the refusals under data parallelism, the hooks'
+bookkeeping and the running sums), then the functions of the optimizer that wire them: it
+keeps ``_cycle``, ``_sums`` and ``_hooks`` (:func:`start_hooks`), and parameters are hooked
+as they join (``admission.py``: ``HookSet.admit``).
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -22,9 +26,16 @@ from dataclasses import dataclass, field
 import torch
 
 from ..metrics import UpdateStats
+from . import dispatch
+from .admission import check_groups, convert_strategies, param_names
+from .edits import hides_weight
+from .nonfinite import finite_in_backward, report_skipped
+from .stepping import Batch, group_step, item_of, measuring
+from .strategies import get_strategy
 
 __all__ = ["GRAD_ACCUMULATIONS", "Cycle", "GradSums", "HookSet", "check_keywords",
-           "refuse_data_parallel"]
+           "refuse_data_parallel", "start_hooks", "on_grad_ready", "step_one", "take_cycle",
+           "close_cycle", "write_grads"]
 
 #: ``grad_accumulation``'s values: what happens to a gradient between backward and step
 GRAD_ACCUMULATIONS = ("plain", "pair")
@@ -165,14 +176,21 @@ class GradSums:
 class HookSet:
     """One post-accumulate-grad hook per parameter, calling ``on_ready(param)``. The hook
     holds the optimizer weakly: a dropped optimizer leaves no live hook behind (a hook of a
-    dead optimizer does nothing)."""
+    dead optimizer does nothing). ``what``: the feature the hooks serve, for errors."""
 
-    def __init__(self, owner: object, on_ready: Callable[[object, torch.Tensor], None]
-                 ) -> None:
+    def __init__(self, owner: object, on_ready: Callable[[object, torch.Tensor], None],
+                 what: str) -> None:
         self._owner = weakref.ref(owner)
         self._on_ready = on_ready
+        self.what = what
         #: ``id(param)``: (param, handle)
         self._handles: dict[int, tuple[torch.Tensor, object]] = {}
+
+    def admit(self, params: list[torch.Tensor]) -> None:
+        """The optimizer's parameters now: refused where the hook cannot see the gradient
+        the step must use (:func:`refuse_data_parallel`), else hooked (:meth:`sync`)."""
+        refuse_data_parallel(params, self.what)
+        self.sync(params)
 
     def sync(self, params: Iterable[torch.Tensor]) -> None:
         """Hook exactly ``params``: new ones hooked, those no longer there unhooked."""
@@ -196,3 +214,126 @@ class HookSet:
         known = self._handles.get(id(param))
         if owner is not None and known is not None and known[0] is param:
             self._on_ready(owner, param)
+
+
+# ----------------------------------------------------------------------- the optimizer's
+
+_SCALER_IN_BACKWARD = (
+    "GradScaler cannot be used with step_in_backward=True: the parameters are stepped "
+    "during backward, on the scaled gradients, before the scaler unscales or checks them "
+    "(the weights stepped in the last backward used scaled gradients). Use bf16 weights "
+    "without a scaler, or step_in_backward=False")
+
+
+def start_hooks(optimizer) -> None:
+    """The hooks of ``step_in_backward`` and ``grad_accumulation="pair"``; parameters are
+    hooked as they join (``admission.py``)."""
+    optimizer._cycle = None
+    optimizer._sums = GradSums()
+    wanted = optimizer.step_in_backward or optimizer.grad_accumulation != "plain"
+    optimizer._hooks = (HookSet(optimizer, on_grad_ready, _hooked_feature(optimizer))
+                        if wanted else None)
+
+
+def _hooked_feature(optimizer) -> str:
+    return ("step_in_backward=True" if optimizer.step_in_backward
+            else f"grad_accumulation={optimizer.grad_accumulation!r}")
+
+
+# Autograd calls it in the middle of backward: never traced (see CollageOptimizer.step).
+@torch.compiler.disable
+@torch.no_grad()
+def on_grad_ready(optimizer, param: torch.Tensor) -> None:
+    """A parameter's gradient is complete (its post-accumulate-grad hook)."""
+    refuse_data_parallel((), _hooked_feature(optimizer))  # a process group made since
+    if optimizer.step_in_backward:
+        step_one(optimizer, param)
+    else:
+        optimizer._sums.fold(param)
+
+
+def _open_cycle(optimizer) -> Cycle:
+    """At the first hook since the last step: check the groups as step() does, once,
+    and decide whether this step is measured."""
+    check_groups(optimizer)
+    convert_strategies(optimizer)
+    owner = {id(param): (index, group, name)
+             for index, group in enumerate(optimizer.param_groups)
+             for name, param in zip(param_names(group, index), group["params"])}
+    optimizer._cycle = Cycle(owner, UpdateStats() if measuring(optimizer) else None)
+    return optimizer._cycle
+
+
+def step_one(optimizer, param: torch.Tensor) -> None:
+    """Step one parameter on its complete gradient, then free the gradient: what
+    step() does to it, through the same dispatch, as a group of one."""
+    cycle = optimizer._cycle if optimizer._cycle is not None else _open_cycle(optimizer)
+    owner = cycle.owner.get(id(param))
+    if owner is None or param.grad is None:  # not ours (a hook copied with the model)
+        return
+    if getattr(optimizer, "grad_scale", None) is not None:
+        raise RuntimeError(_SCALER_IN_BACKWARD)
+    index, group, name = owner
+    item = item_of(optimizer, index, group, name, param)
+    if finite_in_backward(optimizer, cycle, item):
+        book = optimizer._books[id(group)]
+        # a plan (native, Triton) per parameter, kept in the group's cache (reset with
+        # it) so that the parameters' plans never evict each other
+        cache = book.cache.setdefault(("in_backward", id(param)), {})
+        ready = dispatch.prepare(group_step(optimizer, index, group, [item], cycle.stats,
+                                            cache))
+        strategy = get_strategy(group["strategy"])
+        again = optimizer._writes.rederive_edited(
+            strategy, [item], same_pointers=ready.plan_grads is not None)
+        book.path = dispatch.run(ready)
+        if not (ready.by_plan and not again) and hides_weight(strategy):
+            optimizer._writes.note((param,))
+        cycle.stepped.add(id(param))
+    param.grad = None
+
+
+def take_cycle(optimizer) -> Cycle | None:
+    """At step(), first: the books of what the hooks did since the last step (None where
+    no hook stepped), and the gradients ``"pair"`` accumulated written into ``p.grad``.
+    GradScaler is refused: it found no gradient to check."""
+    cycle, optimizer._cycle = optimizer._cycle, None
+    _refuse_scaler_after_hooks(optimizer)
+    write_grads(optimizer)  # grad_accumulation="pair": sums to p.grad
+    return cycle
+
+
+def close_cycle(optimizer, cycle: Cycle, batches: list[Batch]) -> None:
+    """At step(), once the step's gradients are gathered: refuse a gradient written after
+    its hook stepped the parameter, and count the parameters the hooks skipped."""
+    cycle.refuse_regrown((item.name, item.param) for _, _, items in batches
+                         for item in items)
+    report_skipped(optimizer, cycle)
+
+
+def _refuse_scaler_after_hooks(optimizer) -> None:
+    """GradScaler sets ``found_inf`` from the gradients it sees in p.grad: under our
+    hooks there are none (stepped, or accumulated here)."""
+    if getattr(optimizer, "found_inf", None) is None:
+        return
+    if optimizer.step_in_backward:
+        raise RuntimeError(_SCALER_IN_BACKWARD)
+    if len(optimizer._sums):
+        raise RuntimeError(
+            "grad_accumulation='pair' keeps the gradients in the optimizer until "
+            "step(), so GradScaler found no gradient to check for inf: call "
+            "optimizer.write_grads() before scaler.step(optimizer) (or before "
+            "scaler.unscale_(optimizer))")
+
+
+def write_grads(optimizer) -> None:
+    """``optimizer.write_grads()``: the running sums into ``p.grad`` (:class:`GradSums`)."""
+    optimizer._sums.write_grads(functools.partial(_name_of, optimizer))
+
+
+def _name_of(optimizer, param: torch.Tensor) -> str:
+    """The name of one of the optimizer's parameters (for an error message)."""
+    for index, group in enumerate(optimizer.param_groups):
+        for name, member in zip(param_names(group, index), group["params"]):
+            if member is param:
+                return name
+    return "(not in the optimizer)"

@@ -1,22 +1,46 @@
-"""Finding non-finite gradients before a step changes anything.
+"""The non-finite policy: finding non-finite gradients before a step changes anything, and
+what a step does then (``nonfinite=``: skip, raise or ignore), with the skipped steps' count.
 
 The optimizers check every gradient for inf and nan before a step (``nonfinite="skip"`` or
 ``"raise"``): one read of each gradient and one host sync. Two things spare that read: a
 GradScaler's own verdict (``found_inf``), and a finite norm of the very same gradients
-taken by ``optimizer.clip_grad_norm_`` (:class:`FiniteProof`).
+taken by ``optimizer.clip_grad_norm_`` (:class:`FiniteProof`). Where every group runs the
+Triton kernels the verdict stays on the device and the kernels skip on it
+(:func:`gradients_usable`, :func:`check_on_device`); its skips are counted there and read
+when ``skipped_steps`` is (:func:`settle_skips`). A step of every group by its native plan
+checks in its own C call (``stepping.step_planned``). Under ``step_in_backward`` the
+verdict is per parameter, in its hook (:func:`finite_in_backward`).
+
+The functions of the optimizer read its policy (``nonfinite``), GradScaler's ``found_inf``
+and the state it keeps: ``_finite_proof``, ``_unchecked``, ``_device_skips`` and the
+host's count (``skipped_steps``).
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
+import warnings
 import weakref
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
-from .group import PLAIN_TENSORS
+from . import dispatch
+from .group import ITEM_GRAD, PLAIN_TENSORS, GroupStep, Item, local
 from .native import any_nonfinite
 
-__all__ = ["FiniteProof", "nonfinite_flag", "all_ranks_max", "shard_group"]
+__all__ = ["NONFINITE_POLICIES", "FiniteProof", "nonfinite_flag", "all_ranks_max",
+           "shard_group", "gradients_usable", "check_on_device", "count_device_verdict",
+           "settle_skips", "report_nonfinite", "finite_in_backward", "report_skipped"]
+
+NONFINITE_POLICIES = ("skip", "raise", "ignore")
+
+#: (group index, group, items): a step's gathered groups (``stepping.gather``)
+Batches = Sequence[tuple[int, dict, list[Item]]]
+
+_IS_META = operator.attrgetter("is_meta")
 
 
 class FiniteProof(NamedTuple):
@@ -111,3 +135,176 @@ def shard_group(params):
         if dims and mesh.size(dims[0]) > 1:
             return mesh.get_group(dims[0])
     return None
+
+
+# ----------------------------------------------------------------------- a step's verdict
+
+def gradients_usable(optimizer, batches: Batches, sharded, groups: list[GroupStep]) -> bool:
+    """Apply the GradScaler verdict and the non-finite policy: with one host sync, or,
+    where every group's path reads it on the device (``dispatch.verdict_on_device``),
+    with none: the verdict goes to the groups and the kernels skip on it. (A step of
+    every group by its native plan checks in its own C call: ``stepping.step_planned``.)
+    False: the step is refused (skipped, counted), nothing changed."""
+    # good for one step at most
+    proof, optimizer._finite_proof = optimizer._finite_proof, None
+    optimizer._unchecked = None  # (a step that raised before making its verdict left one)
+    found_inf = getattr(optimizer, "found_inf", None)
+    if found_inf is not None:
+        # GradScaler already checked every gradient; it skips (and we count) on overflow.
+        if bool(found_inf.item() > 0):
+            optimizer.skipped_steps += 1
+            return False
+        return True
+    if optimizer.nonfinite == "ignore":
+        return True
+    # a meta tensor holds no values to check (torch.optim steps meta parameters too)
+    # is_meta, not device.type: a device object per tensor costs about 1 us (#31)
+    grads = list(itertools.chain.from_iterable(map(ITEM_GRAD, items)
+                                               for _, _, items in batches))
+    if any(map(_IS_META, grads)):
+        grads = [grad for grad in grads if not grad.is_meta]
+    if not grads:
+        return True
+    # A finite norm of these very gradients (clip_grad_norm_) proves every element
+    # finite: the check's read of every gradient is skipped.
+    if proof is not None and sharded is None and proof.spares_check_of(grads):
+        return True
+    on_device = optimizer.nonfinite == "skip" and all(dispatch.verdict_on_device(g)
+                                                       for g in groups)
+    local_grads = (grads if set(map(type, grads)) <= PLAIN_TENSORS
+                   else [local(grad) for grad in grads])
+    if on_device and sharded is None:
+        # the verdict is made once the groups are prepared (check_on_device): a
+        # planned Triton group checks its gradients in kernels over its own tiles
+        bad = torch.empty((), dtype=torch.float32, device=local_grads[0].device)
+        for group in groups:
+            group.found_nonfinite = bad
+        optimizer._unchecked = (bad, batches)
+        return True
+    if sharded is None and not on_device:
+        # one process, decided on the host: the native check's verdict as a bool where
+        # it reads the gradients (no flag tensor made and read back)
+        bad = nonfinite_flag(local_grads, host=True)
+    else:
+        bad = all_ranks_max(nonfinite_flag(local_grads), sharded)
+    if on_device:  # counted by step() once every group is prepared (nothing raised)
+        for group in groups:
+            group.found_nonfinite = bad
+        return True
+    if not (bad if isinstance(bad, bool) else bool(bad.item())):
+        return True
+    report_nonfinite(optimizer, batches)
+    return False
+
+
+def check_on_device(optimizer, prepared: list) -> None:
+    """Make the device verdict :func:`gradients_usable` left to be made (the default
+    policy, one process, every group on the Triton kernels), once the groups are
+    prepared: a group its Triton plan steps checks its gradients with the plan's
+    kernels (``dispatch.check_planned``: over the step's own tiles, no Python per
+    tensor); the others' gradients by ``nonfinite_flag``, first (it writes the
+    verdict, the kernels only raise it). Nothing is read on the host."""
+    unchecked, optimizer._unchecked = optimizer._unchecked, None
+    if unchecked is None:
+        return
+    bad, batches = unchecked
+    planned = [ready is not None and dispatch.checks_planned(ready)
+               for _, ready in prepared]
+    rest = [item.grad for (_, _, items), done in zip(batches, planned) if not done
+            for item in items if not item.grad.is_meta]
+    if rest:
+        bad.copy_(nonfinite_flag([local(grad) for grad in rest]))
+    else:
+        bad.zero_()
+    for (_, ready), done in zip(prepared, planned):
+        if done:
+            dispatch.check_planned(ready, bad)
+
+
+def report_nonfinite(optimizer, batches: Batches) -> None:
+    """A non-finite gradient refuses the step: raise (``nonfinite="raise"``), or count
+    the skipped step and warn, naming the parameters."""
+    names = [item.name for _, _, items in batches for item in items
+             if not bool(torch.isfinite(local(item.grad)).all())]
+    where = ", ".join(repr(n) for n in names[:5]) or "(another rank)"
+    if optimizer.nonfinite == "raise":
+        raise FloatingPointError(
+            f"non-finite gradient in parameter {where}; nothing was updated. Use "
+            "nonfinite='skip' to skip such steps, or find the overflow (fp16 needs loss "
+            "scaling: torch.amp.GradScaler)"
+        )
+    optimizer.skipped_steps += 1
+    warnings.warn(f"collage: skipped step: non-finite gradient in {where} "
+                  f"({optimizer.skipped_steps} skipped so far); weights and states unchanged",
+                  RuntimeWarning, stacklevel=4)
+
+
+# ----------------------------------------------------------------------- skip counts
+
+def count_device_verdict(optimizer, groups: list[GroupStep]) -> None:
+    """Count the verdict :func:`gradients_usable` left on the device (the same tensor
+    in every group), if it did: after every group was prepared, so that a step that
+    raises counts no skip."""
+    for group in groups:
+        if group.found_nonfinite is not None:
+            _count_on_device(optimizer, group.found_nonfinite)
+            return
+
+
+def _count_on_device(optimizer, bad: torch.Tensor) -> None:
+    """Add a device verdict to the skipped steps' count kept there (float64: exact), read
+    when ``skipped_steps`` is (:func:`settle_skips`)."""
+    skips = optimizer._device_skips
+    if skips is None or skips.device != bad.device:
+        settle_skips(optimizer)
+        optimizer._device_skips = bad.to(torch.float64)
+    else:
+        skips.add_(bad)
+
+
+def settle_skips(optimizer) -> None:
+    """Read the steps the kernels skipped on the device's verdict (one host sync), count
+    them and warn once for them (their gradients are gone: no names)."""
+    pending, optimizer._device_skips = optimizer._device_skips, None
+    if pending is None:
+        return
+    skipped = int(pending.item())
+    if skipped:
+        counted = optimizer.__dict__
+        counted["skipped_steps"] += skipped
+        warnings.warn(f"collage: skipped {skipped} step(s) on a non-finite gradient, "
+                      f"found on the device ({counted['skipped_steps']} skipped so "
+                      "far); weights and states unchanged", RuntimeWarning, stacklevel=3)
+
+
+# ----------------------------------------------------------------------- in backward
+
+def finite_in_backward(optimizer, cycle, item: Item) -> bool:
+    """The non-finite policy for one parameter stepped in backward (``cycle``: the
+    hooks' ``backward.Cycle``): the others' gradients do not exist yet, so the verdict is
+    per parameter (``docs/memory.md``). False: skipped (named in ``cycle.skipped``)."""
+    if optimizer.nonfinite == "ignore" or item.grad.device.type == "meta":
+        return True
+    if not bool(nonfinite_flag([local(item.grad)]).item()):
+        return True
+    if optimizer.nonfinite == "raise":
+        raise FloatingPointError(
+            f"non-finite gradient in parameter {item.name!r}; it was not updated, but "
+            "with step_in_backward=True the parameters whose gradients completed "
+            "earlier in this backward were. Use nonfinite='skip' to skip such a "
+            "parameter's update, or find the overflow")
+    cycle.skipped.append(item.name)
+    return False
+
+
+def report_skipped(optimizer, cycle) -> None:
+    """At step(): count a step whose backward skipped parameters as one skipped step,
+    and say which were skipped."""
+    if not cycle.skipped:
+        return
+    optimizer.skipped_steps += 1
+    where = ", ".join(repr(n) for n in cycle.skipped[:5])
+    warnings.warn(f"collage: step in backward skipped {len(cycle.skipped)} parameter(s) "
+                  f"on a non-finite gradient ({where}); they and their states are "
+                  "unchanged, the other parameters were stepped", RuntimeWarning,
+                  stacklevel=5)

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from .base import CollageOptimizer
 from .rules import ADAMW, LION, SGD as SGD_RULE
+from .strategies import DEFAULT_STRATEGY
 
 __all__ = ["AdamW", "SGD", "Lion"]
 
@@ -85,7 +86,7 @@ class AdamW(CollageOptimizer):
         differentiable: bool = False,
         fused: bool | str | None = None,
         weight_decay_style: str = "compact",
-        strategy: str = "plus",
+        strategy: str = DEFAULT_STRATEGY,
         reference: bool = False,
         track_updates: bool | int = False,
         nonfinite: str = "skip",
@@ -129,7 +130,7 @@ class SGD(CollageOptimizer):
         differentiable: bool = False,
         fused: bool | str | None = None,
         capturable: bool = False,
-        strategy: str = "plus",
+        strategy: str = DEFAULT_STRATEGY,
         reference: bool = False,
         track_updates: bool | int = False,
         nonfinite: str = "skip",
@@ -164,7 +165,7 @@ class Lion(CollageOptimizer):
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
         *,
-        strategy: str = "plus",
+        strategy: str = DEFAULT_STRATEGY,
         maximize: bool = False,
         foreach: bool | None = None,
         fused: bool | str | None = None,

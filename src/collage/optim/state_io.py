@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import convert
+from .admission import param_names, validate_group
 from .strategies import get_strategy
 
 __all__ = ["load"]
@@ -42,13 +43,13 @@ def load(optimizer, state_dict: dict[str, Any]) -> None:
     merged = [_merged_group(optimizer, group, saved)
               for group, saved in zip(optimizer.param_groups, saved_groups)]
     for index, group in enumerate(merged):
-        optimizer._validate_group({**group, "params": optimizer.param_groups[index]["params"]},
-                                  index)
+        validate_group(optimizer, {**group, "params": optimizer.param_groups[index]["params"]},
+                       index)
     plan = list(_pairs(optimizer, state_dict, merged, saved_groups))
     for name, param, group, saved_state, from_torch in plan:
         _check_state(optimizer, name, param, group, saved_state, from_torch)
     extra = _checked_extra(state_dict.get("collage"))
-    positions = optimizer._parameter_positions()
+    positions = optimizer._positions
     states = {param: _restored(optimizer, param, group, saved_state, from_torch,
                                optimizer.state.get(param, {}), positions[id(param)])
               for name, param, group, saved_state, from_torch in plan
@@ -124,7 +125,7 @@ def _pairs(optimizer, state_dict: dict, merged: list[dict], saved_groups: list[d
     torch.optim state), in group order."""
     saved_state = state_dict["state"]
     for index, (group, saved_group) in enumerate(zip(merged, saved_groups)):
-        names = optimizer._param_names(optimizer.param_groups[index], index)
+        names = param_names(optimizer.param_groups[index], index)
         from_torch = "strategy" not in saved_group
         for name, saved_id, param in zip(names, group["params"],
                                          optimizer.param_groups[index]["params"]):
