@@ -27,6 +27,7 @@ from torch.optim.optimizer import required
 
 from . import convert
 from .edits import hides_weight, rederive
+from .hooks import take_over
 from .nonfinite import NONFINITE_POLICIES
 from .rules import plain_numbers
 from .strategies import check_weight, get_strategy
@@ -259,8 +260,10 @@ def _admit(optimizer, changed: Sequence[tuple[int, dict]]) -> None:
                 optimizer._next_position = position + 1
             positions[id(param)] = position
     optimizer._positions = positions
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    take_over(params, optimizer._hooks)  # an older optimizer's hooks on them released
     if optimizer._hooks is not None:  # step_in_backward, grad_accumulation (backward.py)
-        optimizer._hooks.admit([p for group in optimizer.param_groups for p in group["params"]])
+        optimizer._hooks.admit(params)
 
 
 def _complete_group(defaults: dict, group: dict, index: int) -> None:

@@ -19,8 +19,7 @@ as they join (``admission.py``: ``HookSet.admit``).
 from __future__ import annotations
 
 import functools
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,13 +29,13 @@ from . import dispatch
 from .accumulation import WRITTEN_AFTER, GradSums
 from .admission import check_groups, convert_strategies, param_names
 from .edits import hides_weight
+from .hooks import HookSet, inside_reentrant_backward, refuse_data_parallel
 from .nonfinite import finite_in_backward, report_skipped
 from .stepping import Batch, group_step, item_of, measuring
 from .strategies import get_strategy
 
-__all__ = ["GRAD_ACCUMULATIONS", "Cycle", "HookSet", "check_keywords",
-           "refuse_data_parallel", "start_hooks", "on_grad_ready", "step_one", "take_cycle",
-           "close_cycle", "write_grads"]
+__all__ = ["GRAD_ACCUMULATIONS", "Cycle", "check_keywords", "start_hooks", "on_grad_ready",
+           "step_one", "take_cycle", "close_cycle", "release_hooks", "write_grads"]
 
 #: ``grad_accumulation``'s values: what happens to a gradient between backward and step
 GRAD_ACCUMULATIONS = ("plain", "pair")
@@ -56,32 +55,6 @@ def check_keywords(step_in_backward: object, grad_accumulation: object) -> None:
             "step_in_backward=False (accumulate over micro-batches, then step())")
 
 
-def refuse_data_parallel(params: Iterable[torch.Tensor], what: str) -> None:
-    """Refuse where the hook cannot see the gradient the step must use.
-
-    FSDP2 (parameters are DTensors): it reduce-scatters after backward and assigns the
-    sharded ``.grad`` itself, outside autograd's accumulation, so no hook ever fires on the
-    parameters the optimizer holds. DDP (plain tensors, a process group of several ranks):
-    torch runs the hook when the *local* gradient is complete, before DDP's all-reduce, so a
-    step there would use this rank's gradient only, and accumulated gradients would bypass
-    the reduction. Neither can be made right from the optimizer: refuse, saying so.
-    """
-    for param in params:
-        if hasattr(param, "device_mesh"):
-            raise NotImplementedError(
-                f"{what} is not supported with FSDP2 (DTensor parameters): FSDP2 assigns the "
-                "reduce-scattered gradient after backward, outside autograd, so the hook that "
-                f"{what} relies on never fires; leave it off (FSDP2 already frees the "
-                "unsharded gradients)")
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise NotImplementedError(
-            f"{what} is not supported under DDP (a process group of "
-            f"{dist.get_world_size()} ranks): torch runs the per-parameter hook on the local "
-            "gradient, before DDP's all-reduce, so the step would not see the reduced "
-            "gradient; leave it off under data parallelism")
-
-
 @dataclass
 class Cycle:
     """What the hooks of one backward pass (or several, until ``step()``) share: checked
@@ -95,6 +68,17 @@ class Cycle:
     skipped: list[str] = field(default_factory=list)
     #: ``id(param)`` of the parameters stepped by a hook
     stepped: set[int] = field(default_factory=set)
+    #: ``id(param)`` of those stepped by a hook in the backward running now (emptied at
+    #: its end: :func:`_note_backward`)
+    this_backward: set[int] = field(default_factory=set)
+    #: ``id(param)`` of the parameters left to ``step()``: their gradient arrived in parts,
+    #: in the nested backward of a reentrant checkpoint (:func:`_defer`)
+    deferred: set[int] = field(default_factory=set)
+    #: the autograd graph task of the last ordinary (not nested) hook: a new one is a new
+    #: backward, whose hyperparameters are checked again
+    task: int | None = None
+    #: graph task id: whether it is a reentrant checkpoint's nested backward
+    nested: dict[int, bool] = field(default_factory=dict)
 
     def refuse_regrown(self, names_and_params: Iterable[tuple[str, torch.Tensor]]) -> None:
         """A parameter stepped in backward that has a gradient again at step(): something
@@ -105,49 +89,6 @@ class Cycle:
                 raise RuntimeError(WRITTEN_AFTER.format(
                     name=name, what="step_in_backward=True stepped it on the gradient "
                     "autograd completed, and freed it"))
-
-
-class HookSet:
-    """One post-accumulate-grad hook per parameter, calling ``on_ready(param)``. The hook
-    holds the optimizer weakly: a dropped optimizer leaves no live hook behind (a hook of a
-    dead optimizer does nothing). ``what``: the feature the hooks serve, for errors."""
-
-    def __init__(self, owner: object, on_ready: Callable[[object, torch.Tensor], None],
-                 what: str) -> None:
-        self._owner = weakref.ref(owner)
-        self._on_ready = on_ready
-        self.what = what
-        #: ``id(param)``: (param, handle)
-        self._handles: dict[int, tuple[torch.Tensor, object]] = {}
-
-    def admit(self, params: list[torch.Tensor]) -> None:
-        """The optimizer's parameters now: refused where the hook cannot see the gradient
-        the step must use (:func:`refuse_data_parallel`), else hooked (:meth:`sync`)."""
-        refuse_data_parallel(params, self.what)
-        self.sync(params)
-
-    def sync(self, params: Iterable[torch.Tensor]) -> None:
-        """Hook exactly ``params``: new ones hooked, those no longer there unhooked."""
-        wanted = {id(p): p for p in params}
-        for key in [k for k in self._handles if k not in wanted]:
-            self._handles.pop(key)[1].remove()
-        for key, param in wanted.items():
-            if key not in self._handles:
-                handle = param.register_post_accumulate_grad_hook(self._hook)
-                self._handles[key] = (param, handle)
-
-    def remove(self) -> None:
-        for _, handle in self._handles.values():
-            handle.remove()
-        self._handles.clear()
-
-    def _hook(self, param: torch.Tensor) -> None:
-        owner = self._owner()
-        # only the parameters hooked here: a copy of a parameter that carried the hook
-        # along must not feed its gradient to this optimizer
-        known = self._handles.get(id(param))
-        if owner is not None and known is not None and known[0] is param:
-            self._on_ready(owner, param)
 
 
 # ----------------------------------------------------------------------- the optimizer's
@@ -200,11 +141,16 @@ def _open_cycle(optimizer) -> Cycle:
 
 def step_one(optimizer, param: torch.Tensor) -> None:
     """Step one parameter on its complete gradient, then free the gradient: what
-    step() does to it, through the same dispatch, as a group of one."""
+    step() does to it, through the same dispatch, as a group of one. A gradient that
+    arrives in parts (reentrant checkpointing) is left in ``p.grad`` for ``step()``."""
     cycle = optimizer._cycle if optimizer._cycle is not None else _open_cycle(optimizer)
     owner = cycle.owner.get(id(param))
     if owner is None or param.grad is None:  # not ours (a hook copied with the model)
         return
+    if _in_parts(cycle) or id(param) in cycle.deferred:
+        _defer(cycle, param, owner[2])
+        return
+    _note_backward(optimizer, cycle)
     if getattr(optimizer, "grad_scale", None) is not None:
         raise RuntimeError(_SCALER_IN_BACKWARD)
     index, group, name = owner
@@ -223,7 +169,54 @@ def step_one(optimizer, param: torch.Tensor) -> None:
         if not (ready.by_plan and not again) and hides_weight(strategy):
             optimizer._writes.note((param,))
         cycle.stepped.add(id(param))
+        cycle.this_backward.add(id(param))
     param.grad = None
+
+
+def _in_parts(cycle: Cycle) -> bool:
+    """Whether the hook runs in a reentrant checkpoint's nested backward
+    (:func:`hooks.inside_reentrant_backward`), found once per autograd graph task."""
+    task = _graph_task()
+    nested = cycle.nested.get(task)
+    if nested is None:
+        nested = cycle.nested[task] = inside_reentrant_backward()
+    return nested
+
+
+def _graph_task() -> int:
+    return torch._C._current_graph_task_id()
+
+
+def _defer(cycle: Cycle, param: torch.Tensor, name: str) -> None:
+    """Leave ``param``'s gradient to ``step()``: a reentrant checkpoint segment gave part
+    of it, and the enclosing backward or another segment may add more (torch runs the hook
+    at the end of each nested backward). ``step()`` steps it once, on the whole gradient,
+    as without ``step_in_backward``. A parameter a hook stepped earlier in this same
+    backward cannot be mended: refuse, naming it and the fix."""
+    key = id(param)
+    if key in cycle.this_backward:
+        raise RuntimeError(
+            f"parameter {name!r} was stepped in this backward (step_in_backward=True) and "
+            "then received more gradient from a reentrant activation checkpoint "
+            "(torch.utils.checkpoint with use_reentrant=True): its step used part of its "
+            "gradient. Use use_reentrant=False (torch's recommended default), or "
+            "step_in_backward=False")
+    cycle.deferred.add(key)
+    cycle.stepped.discard(key)  # its gradient at step() is the deferred one, not a rewrite
+
+
+def _note_backward(optimizer, cycle: Cycle) -> None:
+    """At a hook of an ordinary backward: a backward not seen yet has its groups checked
+    again (a hyperparameter changed between two backwards is refused before it moves a
+    weight, as step() refuses it), and what it steps is forgotten at its end."""
+    task = _graph_task()
+    if task == cycle.task:
+        return
+    if cycle.task is not None:
+        check_groups(optimizer)
+    cycle.task = task
+    this_backward = cycle.this_backward
+    torch.autograd.Variable._execution_engine.queue_callback(this_backward.clear)
 
 
 def take_cycle(optimizer) -> Cycle | None:
@@ -231,6 +224,8 @@ def take_cycle(optimizer) -> Cycle | None:
     no hook stepped), and the gradients ``"pair"`` accumulated written into ``p.grad``.
     GradScaler is refused: it found no gradient to check."""
     cycle, optimizer._cycle = optimizer._cycle, None
+    if optimizer._hooks is not None:
+        optimizer._hooks.refresh()  # parameters unfrozen since: hooked for the next backward
     _refuse_scaler_after_hooks(optimizer)
     write_grads(optimizer)  # grad_accumulation="pair": sums to p.grad
     return cycle
@@ -257,6 +252,18 @@ def _refuse_scaler_after_hooks(optimizer) -> None:
             "step(), so GradScaler found no gradient to check for inf: call "
             "optimizer.write_grads() before scaler.step(optimizer) (or before "
             "scaler.unscale_(optimizer))")
+
+
+def release_hooks(optimizer) -> None:
+    """``optimizer.release_hooks()``: the sums written into ``p.grad``, the hooks removed,
+    and the optimizer plain from now on (``step_in_backward=False``, ``"plain"``)."""
+    if optimizer._hooks is None:
+        return
+    write_grads(optimizer)
+    optimizer._hooks.remove()
+    optimizer._hooks = None
+    optimizer.step_in_backward = False
+    optimizer.grad_accumulation = "plain"
 
 
 def write_grads(optimizer) -> None:

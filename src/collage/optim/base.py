@@ -14,9 +14,9 @@ strategy is a parameter (and a per-group key), never a subclass.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -215,6 +215,30 @@ class CollageOptimizer(Optimizer):
         read (a copy is the caller's to make)."""
         return self._sums.sum_of(param)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Backward passes that train nothing here: inside, the hooks of
+        ``step_in_backward`` and ``grad_accumulation="pair"`` do nothing, and autograd
+        leaves each gradient in ``p.grad`` as it does without this optimizer. For a GAN's
+        generator loss, which flows through the discriminator (``with d_opt.paused():
+        g_loss.backward()``, then ``d_opt.zero_grad()``), and for a backward that only
+        reads ``x.grad`` (attribution). Nests; no effect without those hooks."""
+        previous = self.__dict__.get("_hooks_paused", False)
+        self._hooks_paused = True
+        try:
+            yield
+        finally:
+            self._hooks_paused = previous
+
+    def release_hooks(self) -> None:
+        """Remove this optimizer's backward hooks for good, so that another optimizer (a
+        ``torch.optim`` one, say) sees the gradients: the gradients ``"pair"`` holds are
+        written into ``p.grad`` first, and this optimizer goes on as
+        ``step_in_backward=False, grad_accumulation="plain"`` (``step()`` steps what
+        ``p.grad`` holds). A new collage optimizer over the same parameters releases them
+        itself, with a warning."""
+        backward.release_hooks(self)
+
     @property
     def skipped_steps(self) -> int:
         """Steps skipped on a non-finite gradient or GradScaler's overflow. Steps skipped
@@ -273,42 +297,12 @@ class CollageOptimizer(Optimizer):
 
     # ----------------------------------------------------------------------- copies
 
-    #: attributes that are the optimizer's (beyond torch.optim's), copied by deepcopy and
-    #: pickle with the groups' books and the positions; the rest (the paths' caches, the
-    #: clipping proof, warnings given) start afresh
-    _COPIED = ("nonfinite", "track_updates", "seed", "skipped_steps", "update_stats",
-               "_steps_taken", "_next_position", "step_in_backward", "grad_accumulation")
-
     def __getstate__(self) -> dict[str, Any]:
-        settle_skips(self)
-        out = super().__getstate__()
-        out.update({name: self.__dict__[name] for name in self._COPIED})
-        # the books and positions with the group dicts and parameters themselves (copied
-        # once with param_groups, pickle and deepcopy keep identities), not their ids;
-        # the paths' caches start afresh
-        books = list(self._books.values())
-        out["_books"] = [dataclasses.replace(book, cache={}) for book in books]
-        out["_positions"] = [(param, self._positions[id(param)])
-                             for book in books for param in book.params]
-        return out
+        return state_io.pickled(self, super().__getstate__())
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        books, positions = state.pop("_books", None), state.pop("_positions", None)
-        state.setdefault("step_in_backward", False)  # (pickled before these keywords)
-        state.setdefault("grad_accumulation", "plain")
-        super().__setstate__(state)
-        self._device_skips = None
-        self._books = {id(book.group): book for book in books or ()}
-        self._positions = {id(param): position for param, position in positions or ()}
-        self._warned = False
-        self._finite_proof = None
-        self._writes = WriteLog()  # the copy's parameters are new objects
-        # the copy hooks its own parameters; accumulated gradients are not copied (as
-        # p.grad is not part of an optimizer's state)
-        backward.start_hooks(self)
-        if self._hooks is not None:
-            self._hooks.sync(p for group in self.param_groups for p in group["params"])
+        super().__setstate__(state_io.unpickled_torch_part(state))
+        state_io.unpickle_ours(self, state)
 
     # ----------------------------------------------------------------------- for others
 

@@ -17,13 +17,16 @@ its float32 moments are stored as the group's strategy stores float32 values
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any
 
 import torch
 
-from . import convert
+from . import backward, convert
 from .admission import param_names, validate_group
+from .edits import WriteLog
+from .nonfinite import settle_skips
 from .strategies import get_strategy
 
 __all__ = ["load"]
@@ -233,3 +236,52 @@ def _set_extra(optimizer, extra: dict | None) -> None:
     steps = [int(s["step"]) for s in optimizer.state.values()
              if isinstance(s, dict) and "step" in s]
     optimizer._steps_taken = max(steps, default=0)
+
+
+# ----------------------------------------------------------------------- pickle, deepcopy
+
+#: attributes that are the optimizer's (beyond torch.optim's), copied by deepcopy and
+#: pickle with the groups' books and the positions; the rest (the paths' caches, the
+#: clipping proof, warnings given) start afresh
+COPIED = ("nonfinite", "track_updates", "seed", "skipped_steps", "update_stats",
+          "_steps_taken", "_next_position", "step_in_backward", "grad_accumulation")
+
+
+def pickled(optimizer, torch_part: dict[str, Any]) -> dict[str, Any]:
+    """``__getstate__``: torch.optim's part (``torch_part``) and ours."""
+    settle_skips(optimizer)
+    out = dict(torch_part)
+    out.update({name: optimizer.__dict__[name] for name in COPIED})
+    # the books and positions with the group dicts and parameters themselves (copied
+    # once with param_groups, pickle and deepcopy keep identities), not their ids;
+    # the paths' caches start afresh
+    books = list(optimizer._books.values())
+    out["_books"] = [dataclasses.replace(book, cache={}) for book in books]
+    out["_positions"] = [(param, optimizer._positions[id(param)])
+                         for book in books for param in book.params]
+    return out
+
+
+def unpickled_torch_part(state: dict[str, Any]) -> dict[str, Any]:
+    """``__setstate__``: what torch.optim's ``__setstate__`` takes (ours left out, and
+    the keywords a pickle made before them lacked filled in)."""
+    state = {key: value for key, value in state.items() if key not in ("_books", "_positions")}
+    state.setdefault("step_in_backward", False)
+    state.setdefault("grad_accumulation", "plain")
+    return state
+
+
+def unpickle_ours(optimizer, state: dict[str, Any]) -> None:
+    """``__setstate__``, after torch.optim's: the books, positions and hooks."""
+    optimizer._device_skips = None
+    optimizer._books = {id(book.group): book for book in state.get("_books") or ()}
+    optimizer._positions = {id(param): position
+                            for param, position in state.get("_positions") or ()}
+    optimizer._warned = False
+    optimizer._finite_proof = None
+    optimizer._writes = WriteLog()  # the copy's parameters are new objects
+    # the copy hooks its own parameters; accumulated gradients are not copied (as
+    # p.grad is not part of an optimizer's state)
+    backward.start_hooks(optimizer)
+    if optimizer._hooks is not None:
+        optimizer._hooks.sync(p for group in optimizer.param_groups for p in group["params"])
