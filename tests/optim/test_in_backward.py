@@ -290,16 +290,31 @@ def test_fsdp2_refused():
 
 
 @pytest.mark.usefixtures("one_rank_gloo")
-@pytest.mark.parametrize("kwargs", [{"step_in_backward": True},
-                                    {"grad_accumulation": "pair"}], ids=str)
-def test_ddp_refused_at_step(kwargs):
+def test_ddp_refused_at_step():
     """A real DDP model (one gloo rank): DDP writes the all-reduced gradient into p.grad at
-    the end of backward, after the hook freed it (the hook saw the local one). step()
-    refuses, naming the parameter and DDP, instead of stepping a second time."""
+    the end of backward, after the hook stepped and freed it (the hook saw the local one).
+    step() refuses, naming the parameter and DDP, instead of stepping a second time."""
     model = make_mlp()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = collage.AdamW(model.named_parameters(), foreach=True, **kwargs)
+    opt = collage.AdamW(model.named_parameters(), foreach=True, step_in_backward=True)
     x, y = batch(0)
     torch.nn.functional.mse_loss(ddp(x).float(), y.float()).backward()
     with pytest.raises(RuntimeError, match="'fc.*DDP"):
         opt.step()
+
+
+@pytest.mark.usefixtures("one_rank_gloo")
+def test_pair_under_one_rank_ddp_steps_the_gradient_ddp_wrote():
+    """grad_accumulation="pair" keeps the sum's high half in p.grad: DDP's all-reduced
+    gradient, written there at the end of backward, replaces it, and the user's (DDP's)
+    value wins: the step is a plain optimizer's on the same p.grad, bit for bit."""
+    stepped = []
+    for kwargs in ({"grad_accumulation": "pair"}, {}):
+        model = make_mlp()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = collage.AdamW(model.named_parameters(), foreach=True, **kwargs)
+        x, y = batch(0)
+        torch.nn.functional.mse_loss(ddp(x).float(), y.float()).backward()
+        opt.step()
+        stepped.append(snapshot(model, opt))
+    assert_bitwise_equal(*stepped)

@@ -117,3 +117,14 @@ def test_gradient_dtype_must_match_the_weight(rule) -> None:
                                         r"weight is torch\.bfloat16"):
         opt.step()
     assert torch.equal(param.detach(), torch.ones(3, dtype=BF16))  # nothing was updated
+
+
+def test_repeated_groups_are_refused_by_state_dict_naming_the_parameter() -> None:
+    """torch.optim saves ``param_groups.extend(param_groups)`` and would step each parameter
+    twice; we refuse, naming the parameter and the fix (issue #42, item 15)."""
+    param = torch.nn.Parameter(torch.ones(4, dtype=BF16))
+    opt = collage.AdamW([("w", param)])
+    opt.param_groups.extend(opt.param_groups)
+    with pytest.raises(ValueError, match=r"'w' is in param group 0 and also in param group 1"
+                                         r".*list each parameter in one group"):
+        opt.state_dict()

@@ -18,7 +18,6 @@ as they join (``admission.py``: ``HookSet.admit``).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -26,7 +25,7 @@ import torch
 
 from ..metrics import UpdateStats
 from . import dispatch
-from .accumulation import WRITTEN_AFTER, GradSums
+from .accumulation import WRITTEN_AFTER, GradSums, PairHooks
 from .admission import check_groups, convert_strategies, param_names
 from .edits import hides_weight
 from .hooks import HookSet, inside_reentrant_backward, refuse_data_parallel
@@ -106,8 +105,10 @@ def start_hooks(optimizer) -> None:
     optimizer._cycle = None
     optimizer._sums = GradSums()
     wanted = optimizer.step_in_backward or optimizer.grad_accumulation != "plain"
-    optimizer._hooks = (HookSet(optimizer, on_grad_ready, _hooked_feature(optimizer))
-                        if wanted else None)
+    optimizer._hooks = (None if not wanted
+                        else PairHooks(optimizer, _hooked_feature(optimizer))
+                        if optimizer.grad_accumulation == "pair"  # (accumulation.py)
+                        else HookSet(optimizer, on_grad_ready, _hooked_feature(optimizer)))
 
 
 def _hooked_feature(optimizer) -> str:
@@ -123,8 +124,6 @@ def on_grad_ready(optimizer, param: torch.Tensor) -> None:
     refuse_data_parallel((), _hooked_feature(optimizer))  # a process group made since
     if optimizer.step_in_backward:
         step_one(optimizer, param)
-    else:
-        optimizer._sums.fold(param)
 
 
 def _open_cycle(optimizer) -> Cycle:
@@ -246,12 +245,10 @@ def _refuse_scaler_after_hooks(optimizer) -> None:
         return
     if optimizer.step_in_backward:
         raise RuntimeError(_SCALER_IN_BACKWARD)
-    if len(optimizer._sums):
-        raise RuntimeError(
-            "grad_accumulation='pair' keeps the gradients in the optimizer until "
-            "step(), so GradScaler found no gradient to check for inf: call "
-            "optimizer.write_grads() before scaler.step(optimizer) (or before "
-            "scaler.unscale_(optimizer))")
+    if getattr(optimizer, "grad_scale", None) is None:
+        # grad_accumulation="pair": scaler.unscale_ divided p.grad (the sums' high halves)
+        # in place, not the low halves: p.grad alone is the gradient (accumulation.py)
+        optimizer._sums.drop_lows()
 
 
 def release_hooks(optimizer) -> None:
@@ -267,14 +264,7 @@ def release_hooks(optimizer) -> None:
 
 
 def write_grads(optimizer) -> None:
-    """``optimizer.write_grads()``: the running sums into ``p.grad`` (:class:`GradSums`)."""
-    optimizer._sums.write_grads(functools.partial(_name_of, optimizer))
-
-
-def _name_of(optimizer, param: torch.Tensor) -> str:
-    """The name of one of the optimizer's parameters (for an error message)."""
-    for index, group in enumerate(optimizer.param_groups):
-        for name, member in zip(param_names(group, index), group["params"]):
-            if member is param:
-                return name
-    return "(not in the optimizer)"
+    """``optimizer.write_grads()``: nothing left to write (``grad_accumulation="pair"``
+    keeps each sum's high half in ``p.grad``); the held low halves checked against
+    ``p.grad`` (:meth:`accumulation.GradSums.settle`)."""
+    optimizer._sums.settle()

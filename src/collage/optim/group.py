@@ -21,6 +21,7 @@ from ..metrics import UpdateStats
 from . import draws as keyed
 from .rules import Rule
 from .strategies import Strategy, check_weight
+from .strategies.strategy import LOW_PRECISION
 
 __all__ = ["Item", "make_item", "ITEM_PARAM", "ITEM_GRAD", "ITEM_STATE", "ITEM_POSITION",
            "PLAIN_TENSORS", "GroupStep", "Entry", "local", "entries_of", "check_item", "check_gradient",
@@ -160,7 +161,11 @@ def check_gradient(name: str, param: torch.Tensor, grad: torch.Tensor) -> None:
     if grad.layout is not torch.strided:
         raise RuntimeError(f"parameter {name!r} has a gradient of layout {grad.layout}; "
                            "collage optimizers need dense (torch.strided) gradients")
-    if grad.dtype != param.dtype:
+    if grad.dtype != param.dtype and not (grad.dtype == torch.float32
+                                          and param.dtype in LOW_PRECISION
+                                          and grad is not param.grad):
+        # (a float32 gradient of a bf16 or fp16 weight that is not p.grad: the float32
+        # sum of grad_accumulation="pair", accumulation.GradSums.gradients)
         raise TypeError(
             f"the gradient of parameter {name!r} is {grad.dtype} but the weight is "
             f"{param.dtype}; gradients must have the weight's dtype (do not cast .grad by "

@@ -52,11 +52,14 @@ def gather(optimizer) -> list[Batch]:
     (``group.check_item``, or a plan against its table), before anything changes."""
     positions = optimizer._positions
     state = optimizer.state
+    sums = optimizer._sums
     batches = []
     for index, group in enumerate(optimizer.param_groups):
         params = group["params"]
         names = param_names(group, index)
         grads = list(map(_GRAD, params))
+        if sums:  # grad_accumulation="pair": the float32 sums, not their high halves
+            grads = sums.gradients(params, grads)
         if any(map(operator.is_, grads, itertools.repeat(None))):
             present = [grad is not None for grad in grads]
             params = list(itertools.compress(params, present))

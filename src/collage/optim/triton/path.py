@@ -70,6 +70,8 @@ def fits(group: GroupStep, entry: Entry, device: torch.device) -> bool:
     contiguous on ``device``, of dtypes the kernels read (stochastic rounding: bf16)."""
     if entry.offset is None or not _reads(group, entry.param.dtype):
         return False
+    if entry.grad.dtype != entry.param.dtype:  # the kernels read the gradient in the
+        return False  # weight's dtype: a float32 sum (grad_accumulation="pair") is not
     return entry.contiguous_on(device)
 
 
