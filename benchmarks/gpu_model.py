@@ -36,7 +36,7 @@ the assumption the persistent kernels are built on, unconfirmed until a GPU meas
 Usage:
     python benchmarks/gpu_model.py [--arch 90,80] [--json] [--revision REV] [--no-host]
 
-``--revision REV`` compiles ``src/collage/optim/triton/kernels.py`` as it was at git
+``--revision REV`` compiles the Triton kernels (``src/collage/optim/triton/kernels/``) as they were at git
 revision REV (the "before" table). ``--json`` prints one object per variant.
 """
 
@@ -61,12 +61,12 @@ import collage
 from collage.bench.common import gpt_shapes, strategy_bytes
 from collage.optim import get_strategy
 from collage.optim.rules import RULES
-from collage.optim import base
+from collage.optim import nonfinite as nonfinite_policy
 from collage.optim.triton import launch as launches
 from collage.optim.triton import layout
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ROOT / "src" / "collage" / "optim" / "triton" / "kernels.py"
+TRITON = "src/collage/optim/triton"
 
 
 @dataclass(frozen=True)
@@ -111,21 +111,31 @@ def tools_available() -> bool:
 
 
 def kernels_at(revision: str | None) -> ModuleType:
-    """``kernels.py`` compiled (not interpreted), as it is or as it was at ``revision``."""
+    """The Triton kernels compiled (not interpreted), as they are or as they were at
+    ``revision``: the module ``kernels.py`` before 2026-12-06, the package ``kernels/``
+    since (each beside ``layout.py``, which they import)."""
     if revision is None:
         return launches.kernel_module(False)
-    folder = Path(tempfile.mkdtemp(prefix="collage-kernels-")) / "old_kernels"
+    folder = Path(tempfile.mkdtemp(prefix="collage-kernels-")) / "old_triton"
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", revision,
+                             f"{TRITON}/"], capture_output=True, text=True, check=True).stdout
+    names = [line.rsplit("/", 1)[-1] for line in listed.split()]
+    wanted = ["layout.py", "kernels"] if "kernels" in names else ["layout.py", "kernels.py"]
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision,
+                              *(f"{TRITON}/{name}" for name in wanted)],
+                             capture_output=True, check=True).stdout
     folder.mkdir()
-    for name in ("kernels.py", "layout.py"):
-        text = subprocess.run(["git", "-C", str(ROOT), "show",
-                               f"{revision}:src/collage/optim/triton/{name}"],
-                              capture_output=True, text=True, check=True).stdout
-        (folder / name).write_text(text)
+    subprocess.run(["tar", "-x", "-C", str(folder), f"--strip-components={TRITON.count('/') + 1}"],
+                   input=archive, check=True)
     (folder / "__init__.py").write_text("")
     sys.path.insert(0, str(folder.parent))
-    spec = importlib.util.spec_from_file_location("old_kernels.kernels", folder / "kernels.py")
+    package = folder / "kernels"
+    location = package / "__init__.py" if package.is_dir() else folder / "kernels.py"
+    spec = importlib.util.spec_from_file_location(
+        "old_triton.kernels", location,
+        submodule_search_locations=[str(package)] if package.is_dir() else None)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["old_kernels.kernels"] = module
+    sys.modules["old_triton.kernels"] = module
     spec.loader.exec_module(module)
     return module
 
@@ -434,14 +444,14 @@ def host_seconds(size: str, repeats: int = 40) -> dict[str, float]:
     os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors take the Triton path (not run)
     params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
               for _ in gpt_shapes(size)]
-    saved = launches.launch, launches.check, base.nonfinite_flag
+    saved = launches.launch, launches.check, nonfinite_policy.nonfinite_flag
     counted, per_call = [0], _kernel_launches(size)
 
     def count(*args, **kwargs) -> None:
         counted[0] += per_call
 
     launches.launch = launches.check = count
-    base.nonfinite_flag = _check_as_on_a_gpu
+    nonfinite_policy.nonfinite_flag = _check_as_on_a_gpu
     try:
         out = {}
         for policy in ("skip", "ignore"):
@@ -460,7 +470,7 @@ def host_seconds(size: str, repeats: int = 40) -> dict[str, float]:
             out[policy] = out[f"{policy}_python"] + counted[0] * LAUNCH_HOST_S
         return out
     finally:
-        launches.launch, launches.check, base.nonfinite_flag = saved
+        launches.launch, launches.check, nonfinite_policy.nonfinite_flag = saved
         if saved_flag is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
@@ -616,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: 90 (H100/H200), 80 (A100); auto: this GPU's "
                              "(9.x and later: 90, else 80)")
     parser.add_argument("--revision", default=None,
-                        help="compile kernels.py as it was at this git revision")
+                        help="compile the Triton kernels as they were at this git revision")
     parser.add_argument("--json", action="store_true", help="a JSON list, one object a row")
     parser.add_argument("--markdown", default=None, metavar="PATH",
                         help="also write the markdown table to PATH")

@@ -3,8 +3,9 @@ or table that goes stale fails CI (issue #25).
 
 * bytes per parameter (README's table, docs/strategies.md's "At a glance") against the
   memory model derived from the strategies' components;
-* the second-moment table of docs/strategies.md (``benchmarks/second_moment.py --check``);
-* the research-plus table of docs/research_plus.md (``benchmarks/research_plus.py
+* the second-moment table of docs/strategies.md (``benchmarks/studies/second_moment.py
+  --check``) and the bound it is said to hold over 3,000 steps;
+* the research-plus table of docs/research_plus.md (``benchmarks/studies/research_plus.py
   --check``); both generated tables are the same on every CPU (constant gradients,
   elementwise arithmetic that rounds correctly on every instruction set: their ``--check``
   passes with torch's AVX2 and portable kernels emulated, docs/compare.md "Which results
@@ -78,7 +79,8 @@ def test_strategies_page_bytes_per_parameter():
 
 @pytest.mark.parametrize("script", ["second_moment.py", "research_plus.py"])
 def test_generated_tables_are_what_the_code_computes(script):
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--check"],
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "studies" / script),
+                           "--check"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -216,42 +218,65 @@ def test_load_full_precision_is_exact_only_where_documented(strategy):
         assert rel > bound / 4, (strategy, rel)
 
 
-def _worst_second_moment_error(strategy: str, flags: dict, steps: int = 1000) -> float:
-    """max over t <= ``steps`` of |v / (1 - beta2**t) - 1| under g = 1 at lr = 0 (as
-    benchmarks/second_moment.py, every step instead of four)."""
-    param = torch.nn.Parameter(torch.ones(16, dtype=torch.bfloat16))
-    opt = collage.AdamW([param], lr=0.0, betas=(0.9, 0.999), weight_decay=0.0,
-                        strategy=strategy, **flags)
-    moments = collage.optim.get_strategy(strategy)
-    worst = 0.0
-    for t in range(1, steps + 1):
-        param.grad = torch.ones_like(param)
+#: steps of the second-moment claims: 3,000, as the table's last column (issue #41: the
+#: 1,000 steps checked before missed the largest deviation, at t = 1,831)
+SECOND_MOMENT_STEPS = 3000
+#: the documented bounds of |v / (1 - beta2**t) - 1| at beta2 = 0.999 per path. Why they
+#: can be this tight: g = 1 at lr = 0 is deterministic, elementwise and correctly rounded
+#: arithmetic, the same bits on every CPU (the table above is compared exactly), so the
+#: worst step is one number. An a-priori bound is no use here: the pair's product and
+#: grow err by up to ~8 u**2 (u = 2**-8) of v per step, which 1 / (1 - beta2) = 1,000 steps
+#: of memory could accumulate to ~12 % if every rounding went one way.
+SECOND_MOMENT_BOUND = {"default": 1.5e-4, "foreach": 1.5e-4, "reference": 6e-4}
+PATH_FLAGS = {"default": {}, "foreach": {"foreach": True}, "reference": {"reference": True}}
+
+
+def _second_moment_errors(flags: dict, strategies: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """|v / (1 - beta2**t) - 1| at every t in 1..SECOND_MOMENT_STEPS under g = 1 at
+    lr = 0 (as benchmarks/studies/second_moment.py, every step instead of four): one
+    optimizer, a group per strategy, the divisions done once at the end."""
+    params = {name: torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+              for name in strategies}
+    opt = collage.AdamW([{"params": [p], "strategy": name} for name, p in params.items()],
+                        lr=0.0, betas=(0.9, 0.999), weight_decay=0.0, **flags)
+    v = torch.empty(len(strategies), SECOND_MOMENT_STEPS, dtype=torch.float64)
+    for t in range(SECOND_MOMENT_STEPS):
+        for p in params.values():
+            p.grad = torch.ones_like(p)
         opt.step()
-        v = moments.moment_value(opt.rule, opt.state[param], "exp_avg_sq")
-        worst = max(worst, abs(float(v[0]) / (1 - 0.999**t) - 1.0))
-    return worst
+        for row, (name, p) in enumerate(params.items()):
+            v[row, t] = get_strategy(name).moment_value(opt.rule, opt.state[p],
+                                                        "exp_avg_sq")[0]
+    steps = torch.arange(1, SECOND_MOMENT_STEPS + 1, dtype=torch.float64)
+    target = 1.0 - 0.999**steps
+    return {name: (v[row] / target - 1.0).abs() for row, name in enumerate(strategies)}
 
 
-def test_pair_second_moment_tracking_per_path():
-    """README and docs/strategies.md: ``plus``/``split`` track v within 0.01 % on the default
-    and foreach paths and within 0.06 % (not 0.01 %) on the reference path, at every step
-    to t = 1000."""
+@pytest.mark.parametrize("path", sorted(PATH_FLAGS))
+def test_pair_second_moment_tracking_per_path(path):
+    """README and docs/strategies.md: ``plus`` and ``split`` track v within 0.015 % over
+    3,000 steps on the default and foreach paths (0.0141 % at t = 1,831 at worst; 282 steps
+    past 0.01 %, so "within 0.01 %" is false) and within 0.06 % on the reference path
+    (0.059 % at t = 9)."""
     readme = " ".join((ROOT / "README.md").read_text().split())
-    text = (ROOT / "docs" / "strategies.md").read_text()
-    flat = " ".join(text.split())
-    assert "within 0.01 % on every path" not in flat
-    assert "within 0.01 % on the default and foreach paths, and within 0.06 % on the " \
-           "reference path" in flat
-    assert "(within 0.06 % on the reference path" in readme
-    worst = {(strategy, path): _worst_second_moment_error(strategy, flags)
-             for strategy in ("plus", "split")
-             for path, flags in (("default", {}), ("foreach", {"foreach": True}),
-                                 ("reference", {"reference": True}))}
-    for (strategy, path), error in worst.items():
-        if path == "reference":  # 0.059 % at t = 9
-            assert 1e-4 < error <= 6e-4, (strategy, error)
-        else:
-            assert error <= 1e-4, (strategy, path, error)
+    flat = " ".join((ROOT / "docs" / "strategies.md").read_text().split())
+    for text in (readme, flat):
+        assert "within 0.01 %" not in text
+        assert "within 0.015 % over 3,000 steps" in text
+        assert "0.0141 %" in text and "1,831" in text
+    assert "within 0.06 % on the reference path" in readme
+    assert "within 0.06 % on the reference path (its largest deviation, 0.059 %, at t = 9" \
+        in flat
+    errors = _second_moment_errors(PATH_FLAGS[path], ("plus", "split"))
+    for strategy, error in errors.items():
+        worst, at = float(error.max()), int(error.argmax()) + 1
+        assert worst <= SECOND_MOMENT_BOUND[path], (strategy, path, worst, at)
+        if path == "reference":
+            assert (f"{worst:.3%}", at) == ("0.059%", 9), (strategy, worst, at)
+        else:  # the figures the docs quote; past 0.01 % (the old claim) at 282 steps
+            assert (f"{worst:.4%}", at) == ("0.0141%", 1831), (strategy, path, worst, at)
+            assert int((error > 1e-4).sum()) == 282, (strategy, path)
+            assert float(error[:1000].max()) <= 1e-4  # why a 1,000-step test missed it
 
 
 # ---------------------------------------------------------------------------------------

@@ -209,7 +209,7 @@ def test_bench_train_in_backward_mode_lowers_the_peak():
     """``plus+backward`` trains plus with the step in backward: its gradients are freed in
     backward, so its step's peak is below plain plus's. On a model whose weights dominate
     (d 128, one sequence of 8 tokens) the memory model says 10/12 = 0.83 (measured 0.80 by
-    benchmarks/memory_in_backward.py); below 0.9 leaves room for the activations."""
+    benchmarks/studies/memory_in_backward.py); below 0.9 leaves room for the activations."""
     from collage.bench import train
 
     result = train.run(modes=("plus", "plus+backward"), preset="micro",

@@ -108,8 +108,8 @@ def test_the_cheap_test_finds_every_pair_the_normalisation_changes() -> None:
     missed = changed & fast & ~maybe
     assert not bool(missed.any()), f"{int(missed.sum())} pairs, first x = {x[missed][0]!r}"
     # the normalisation is needed: ties beside odd weights (e.g. 1 + 2**-7 + 2**-8 - 2**-23
-    # lands as (1 + 2**-7, 2**-8) and becomes (1 + 2**-6, -2**-8)), and -0; about 128 low
-    # halves per high half and sign round to such a tie
+    # lands as (1 + 2**-7, 2**-8) and becomes (1 + 2**-6, -2**-8)), and -0; 64 low halves
+    # per normal high half and sign round to such a tie (docs/strategies.md derives it)
     assert int((changed & fast).sum()) > 500
     assert bool((changed & fast & (bits(hi0) == -0x8000)).any())
     x_tie = torch.tensor([1.0 + 2.0**-7 + 2.0**-8 - 2.0**-23])

@@ -8,8 +8,8 @@ and an empty one among them, and one spanning several programs), GradScaler and
 ``maximize``, a new learning rate every step, fp16 weights, and ``capturable=True``.
 
 Why the eager reference gets an IEEE square root: this torch build's CPU ``Tensor.sqrt`` for
-float32 is not correctly rounded (about 20 % of random inputs are 1 ulp off:
-``test_this_torch_cpu_sqrt_is_not_correctly_rounded``), while the kernels compute
+float32 is not correctly rounded (about 20 % of random inputs are 1 ulp off; docs/gpu.md
+says where it was measured), while the kernels compute
 ``tl.sqrt_rn``, as torch's CUDA kernels and the C kernels' ``sqrtf`` do. With the square
 root the same operation on both sides, every result is the same bits.
 """

@@ -87,7 +87,7 @@ typedef struct {
  * correctly rounded one for every significand of root that tests/optim/test_native_division.py
  * tries: all 2^23, for the divisors with the largest reciprocal errors (the 1,000,000 of
  * them, reciprocal errors 0.44-0.5 ulp, were checked once, offline, with all 2^23
- * dividends each: no difference; benchmarks/division_search.c), the all-ones and 1 + ulp
+ * dividends each: no difference; benchmarks/studies/division_search.c), the all-ones and 1 + ulp
  * significands and the bias corrections of real runs. AdamW's square root and two divisions bound a step on CPUs
  * whose divider is slow (#31: 0.60 ns per element and core on a Xeon): this is one
  * division fewer, the same bits. */

@@ -407,7 +407,7 @@ static inline __attribute__((always_inline)) void pair_block(const int S, const 
  * asked for COLLAGE_PREFETCH_BYTES ahead; a prefetch changes no value and never faults,
  * past a tensor's end included (the address is computed as an integer: no pointer leaves
  * its array). The distance: 16 cache lines per stream; 512 bytes gave less, 2048 about the
- * same, within 5 % (``benchmarks/prefetch_distance.py``; ``-DCOLLAGE_PREFETCH_BYTES=0``
+ * same, within 5 % (``benchmarks/studies/prefetch_distance.py``; ``-DCOLLAGE_PREFETCH_BYTES=0``
  * builds the loops without prefetching, for such A/Bs). */
 #ifndef COLLAGE_PREFETCH_BYTES
 #define COLLAGE_PREFETCH_BYTES 1024

@@ -3,7 +3,7 @@ prefetching (``-DCOLLAGE_PREFETCH_BYTES=0``) against builds that prefetch each s
 bytes ahead, with ``native_ab.py`` (the same bits checked first, then interleaved timings
 of ``collage_adamw_threads``).
 
-    python benchmarks/prefetch_distance.py --size 16m --threads 2 --distances 512,1024,2048
+    python benchmarks/studies/prefetch_distance.py --size 16m --threads 2 --distances 512,1024,2048
 
 Each build is the library's own command (``build.UNITS``, the first of its flag sets: the
 OpenMP build) with one ``-D`` more, written to a temporary directory.
@@ -14,14 +14,18 @@ from __future__ import annotations
 import argparse
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-import native_ab  # benchmarks/native_ab.py, beside this script
 from collage.optim import get_strategy
 from collage.optim.native import build
+
+# native_ab.py is a tool of benchmarks/, one folder up from this study: put it on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import native_ab  # noqa: E402 - after its folder is on the path
 
 
 def compile_with(distance: int, directory: Path) -> Path:

@@ -5,7 +5,7 @@
  * threads; PF > 0 adds a software prefetch PF elements ahead. Prints the median of 30
  * passes in ns per element and core, and GB/s.
  *
- *     gcc -O2 -march=native -fopenmp benchmarks/stream_probe.c -o stream
+ *     gcc -O2 -march=native -fopenmp benchmarks/studies/stream_probe.c -o stream
  *     ./stream ELEMENTS THREADS PF
  */
 #include <immintrin.h>

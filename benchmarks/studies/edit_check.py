@@ -8,8 +8,8 @@ median step time of each, the median over repeats of the paired ratio, and the c
 (``rederive_edited`` over the step's items, nothing edited: the least of 20 timings of 200
 calls, a figure that a loaded machine disturbs far less than a whole step).
 
-    python benchmarks/edit_check.py                          # plus; 148 x 4,096 and 16m
-    python benchmarks/edit_check.py --strategy light --repeats 201
+    python benchmarks/studies/edit_check.py                          # plus; 148 x 4,096 and 16m
+    python benchmarks/studies/edit_check.py --strategy light --repeats 201
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ the EMA). Because the EMA feeds on its own stored value, each step is measured a
 what the stored ``v`` intended at that step (a *per-step* landing ratio, not the
 accumulated drift; the accumulated effect shows as the loss).
 
-Usage: ``python benchmarks/eight_bit_ema.py --steps 300 --out docs/reports/eight-bit-ema``
+Usage: ``python benchmarks/studies/eight_bit_ema.py --steps 300 --out docs/reports/eight-bit-ema``
 (writes ``ema_edq.json``, ``ema_edq.md`` and ``ema_edq.png`` there). One thread per run.
 """
 
@@ -178,7 +178,7 @@ def main() -> None:
     with open(os.path.join(args.out, "ema_edq.json"), "w") as handle:
         json.dump({"meta": meta, "results": results}, handle, indent=1)
     lines = [f"Second-moment EMA landing, paper-small, first {args.steps} steps, measured "
-             f"every {args.every} (benchmarks/eight_bit_ema.py; {meta['date']}, torch "
+             f"every {args.every} (benchmarks/studies/eight_bit_ema.py; {meta['date']}, torch "
              f"{meta['torch']})", "",
              "| strategy | β2 | EMA EDQ | EMA EDQ, relative | stalled elements | val loss "
              f"at step {args.steps} |", "|---|---|---|---|---|---|"]

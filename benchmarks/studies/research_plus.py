@@ -14,7 +14,7 @@ gradient in bf16 four ways and prints ``v / ((1 - beta2**t) * g**2)`` (1.0 is ex
 * ``research plus, fixed split``: the same with only the split fixed (isolates defect 2);
 * ``bf16``: a plain bf16 EMA (beta2 rounds to bf16 first, as a bf16 multiply does).
 
-Usage: ``python benchmarks/research_plus.py [--steps 3000] [--check]`` (``--check``: exit 1
+Usage: ``python benchmarks/studies/research_plus.py [--steps 3000] [--check]`` (``--check``: exit 1
 if the table in docs/research_plus.md differs; tests/test_docs_claims.py runs it)
 """
 
@@ -102,7 +102,7 @@ def report(steps: int) -> str:
 
 def _documented() -> str:
     """The table in docs/research_plus.md: the first fenced block after "## The numbers"."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "research_plus.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "research_plus.md").read_text()
     block = text[text.index("## The numbers"):]
     start = block.index("```\n") + 4
     return "\n".join(line.rstrip() for line in block[start:block.index("```", start)]

@@ -4,7 +4,7 @@ stepped with and without ``CosineAnnealingLR`` setting a new learning rate after
 beside torch's fused AdamW on float32 tensors the same way. Thread CPU time of
 ``opt.step()`` alone, median of ``--steps``.
 
-    python benchmarks/scheduler_cost.py --tensors 28,148 --strategy plus
+    python benchmarks/studies/scheduler_cost.py --tensors 28,148 --strategy plus
 
 Run it once per source tree to compare two commits (``PYTHONPATH=TREE/src``).
 """

@@ -13,7 +13,7 @@ backward cannot clip; the others do not either, so that only the step differs):
 Goals: in-backward peak <= 0.65x mixed's and <= 0.87x plus's; each peak within 3 % of its
 memory model (``collage memory``: bytes per parameter x parameters).
 
-Usage: python benchmarks/memory_in_backward.py --out docs/benchmarks/NAME
+Usage: python benchmarks/studies/memory_in_backward.py --out docs/benchmarks/NAME
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collage.train.config import get_preset
 from collage.train.memory import bytes_per_param
 from collage.train.runner import train_strategy
 
-import record  # benchmarks/record.py: this script's folder is on the path
+import record  # benchmarks/studies/record.py: this script's folder is on the path
 
 RUNS = (("mixed", "mixed", False, "bf16"), ("plus", "plus", False, "bf16"),
         ("plus_in_backward", "plus", True, "none"))
@@ -81,7 +81,7 @@ def main() -> None:
     result = measure(args.d_model, args.n_layers)
     meta = record.metadata(
         args.hardware, d_model=args.d_model, n_layers=args.n_layers,
-        command=f"python benchmarks/memory_in_backward.py --out {args.out} "
+        command=f"python benchmarks/studies/memory_in_backward.py --out {args.out} "
                 f"--d-model {args.d_model} --n-layers {args.n_layers}")
     record.write(args.out, meta, result, markdown)
 

@@ -1,12 +1,12 @@
 """Nanoseconds per element and core of one strategy's CPU step on one tensor: the native
 kernels' arithmetic and memory traffic, without the non-finite check
-(``nonfinite="ignore"``); compare with the divider's floor (``benchmarks/divider_probe.c``)
-and the streams' (``benchmarks/stream_probe.c``). Issue #31:
+(``nonfinite="ignore"``); compare with the divider's floor (``benchmarks/studies/divider_probe.c``)
+and the streams' (``benchmarks/studies/stream_probe.c``). Issue #31:
 docs/benchmarks/intel-xeon-2c_2026-12-05_prefetch.md (``--elements 32768`` keeps the data
 in L2, where the step's Python is a larger part of the time).
 
 Usage:
-    python benchmarks/kernel_ns.py STRATEGY [--elements 16e6] [--threads 1] [--seconds 4]
+    python benchmarks/studies/kernel_ns.py STRATEGY [--elements 16e6] [--threads 1] [--seconds 4]
         [--start-step N]
 
 ``--start-step 20000``: the steps after step 20,000, where the bias correction of the second

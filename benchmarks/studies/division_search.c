@@ -5,7 +5,7 @@
  * quotient? The kernels' form, fnmadd(fmsub(q, b, a), r, q); exponents scale out of the
  * quotient.
  *
- *   cc -O2 -mavx512f -mfma benchmarks/division_search.c -o /tmp/division_search -lm
+ *   cc -O2 -mavx512f -mfma benchmarks/studies/division_search.c -o /tmp/division_search -lm
  *   /tmp/division_search 300000 0 2 & /tmp/division_search 300000 1 2   # two cores, ~4 min
  *
  * Arguments: K, this part, the number of parts (divisors d = START + part, + parts, ...

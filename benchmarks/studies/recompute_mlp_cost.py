@@ -6,8 +6,8 @@ all of them interleaved (the order rotated every step), so both sides of a ratio
 machine's state of the moment. Prints each mode's median step time with the activation kept
 and recomputed, and the median over steps of the paired time ratio recomputed / kept.
 
-    python benchmarks/recompute_mlp_cost.py                      # paper-small, 40 steps
-    python benchmarks/recompute_mlp_cost.py --steps 20 --modes autocast,plus,bf16
+    python benchmarks/studies/recompute_mlp_cost.py                      # paper-small, 40 steps
+    python benchmarks/studies/recompute_mlp_cost.py --steps 20 --modes autocast,plus,bf16
 """
 
 from __future__ import annotations
@@ -16,14 +16,19 @@ import argparse
 import dataclasses
 import statistics
 
+import torch
+
 from collage.bench.train import MODES, _compile_kernels, _model_config, _Trainer
+
+#: the device of the trainers (``_Trainer``'s default): the kernels are compiled for it
+CPU = torch.device("cpu")
 
 
 def measure(preset: str, modes: list[str], steps: int, warmup: int) -> dict[str, dict]:
     config, batch = _model_config(preset, {})
     trainers = {}
     for mode in modes:
-        _compile_kernels(mode, config)
+        _compile_kernels(mode, config, CPU)
         for recompute in (False, True):
             trainers[(mode, recompute)] = _Trainer(
                 mode, dataclasses.replace(config, recompute_mlp=recompute), batch, seed=0)

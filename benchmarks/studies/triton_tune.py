@@ -9,7 +9,7 @@ kernels alone) with CUDA events after warm-up steps, median per step; prints a t
 the setting with the lowest geometric mean over the strategies at the largest size, and
 writes the numbers as JSON when ``--json PATH`` is given. docs/gpu.md quotes it.
 
-Usage: ``python benchmarks/triton_tune.py [--sizes 100m,1b] [--json out.json]``
+Usage: ``python benchmarks/studies/triton_tune.py [--sizes 100m,1b] [--json out.json]``
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
  * correctly rounded, for the same bits), on L1-resident data so that memory plays no part.
  * Issue #31: on a CPU where these bound the step, no landing makes it faster.
  *
- *   cc -O2 -mavx512f benchmarks/divider_probe.c -o /tmp/divider_probe && /tmp/divider_probe
+ *   cc -O2 -mavx512f benchmarks/studies/divider_probe.c -o /tmp/divider_probe && /tmp/divider_probe
  *
  * Prints ns per element (16 per vector) for: AdamW's sqrt and two divisions (with the
  * multiply and add between them), sqrt and one division (late training, where the bias

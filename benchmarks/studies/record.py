@@ -1,7 +1,8 @@
 """What the single-result benchmark scripts share (``grad_accum.py``,
 ``memory_in_backward.py``): the ``--out`` and ``--hardware`` arguments, the record's common
 metadata, and writing the record as ``OUT.json`` and ``OUT.md`` (the markdown also printed).
-Imported by the scripts run as ``python benchmarks/NAME.py``, whose folder is on the path."""
+Imported by the scripts run as ``python benchmarks/studies/NAME.py``, whose folder is on
+the path."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Compare two `collage compare` output folders run without and with --step-in-backward: are
 the loss curves identical, bit for bit? (issue #32; a markdown table on stdout)
 
-Usage: python benchmarks/same_loss_in_backward.py NORMAL_DIR IN_BACKWARD_DIR
+Usage: python benchmarks/studies/same_loss_in_backward.py NORMAL_DIR IN_BACKWARD_DIR
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ research algorithm).
 
 Usage::
 
-    python benchmarks/second_moment.py            # print the table
-    python benchmarks/second_moment.py --write    # rewrite it in docs/strategies.md
-    python benchmarks/second_moment.py --check    # exit 1 if docs/strategies.md differs
+    python benchmarks/studies/second_moment.py            # print the table
+    python benchmarks/studies/second_moment.py --write    # rewrite it in docs/strategies.md
+    python benchmarks/studies/second_moment.py --check    # exit 1 if docs/strategies.md differs
 
 ``tests/test_docs_claims.py`` runs ``--check``: the documented table is what the code does.
 """
@@ -30,8 +30,8 @@ from collage.optim.rules import ADAMW
 BETA2 = 0.999
 STEPS = (10, 100, 1000, 3000)
 PATHS = {"default": {}, "foreach": {"foreach": True}, "reference": {"reference": True}}
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "strategies.md"
-BEGIN = "<!-- second-moment table: python benchmarks/second_moment.py --write -->"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "strategies.md"
+BEGIN = "<!-- second-moment table: python benchmarks/studies/second_moment.py --write -->"
 END = "<!-- end of the second-moment table -->"
 
 

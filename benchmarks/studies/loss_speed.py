@@ -1,7 +1,7 @@
 """The harness's loss against the usual ``F.cross_entropy(logits.float(), y)`` recipe: the
 time of forward and backward on bf16 logits, interleaved, median and range of the ratios.
 
-Usage: ``python benchmarks/loss_speed.py [--runs 7]`` (docs/compare.md quotes its output)
+Usage: ``python benchmarks/studies/loss_speed.py [--runs 7]`` (docs/compare.md quotes its output)
 """
 
 from __future__ import annotations
