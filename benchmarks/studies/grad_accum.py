@@ -43,6 +43,10 @@ Usage: python benchmarks/studies/grad_accum.py --out docs/benchmarks/NAME (write
 
 from __future__ import annotations
 
+import pathlib
+import platform
+import shlex
+import subprocess
 import time
 
 import torch
@@ -205,20 +209,32 @@ def run(steps: int, micro_batch: int) -> dict:
 
 def markdown(meta: dict, result: dict) -> str:
     lines = [f"# Gradient accumulation: plain bf16 vs pair ({meta['date']})", "",
-             f"Hardware: {meta['hardware']}; torch {meta['torch']}; "
-             f"{meta['threads']} threads; {meta['seconds']:.0f} s.", "",
-             f"Command: `{meta['command']}`", "",
-             "## The accumulated gradient against the exact sum (quick preset's GPT, "
-             f"micro-batches of {meta['micro_batch']} sequences)", "",
+             f"Hardware: {meta['hardware']}; torch {meta['torch']}; python {meta['python']}; "
+             f"{meta['threads']} threads; {meta['seconds']:.0f} s. Commit {meta['commit']}.",
+             "", f"Command: `{meta['command']}`", "",
+             "## The accumulated gradient against the exact sum and the float32 sum (quick "
+             f"preset's GPT, micro-batches of {meta['micro_batch']} sequences)", "",
+             "`pair_step` and `plain_step` are the gradients the two optimizers' step() read "
+             "(2 * exp_avg after one AdamW \"mixed\" step with beta1 = 0.5); `float32` is "
+             "the sequential float32 sum of the same bf16 micro-batch gradients "
+             "(`benchmarks/studies/grad_accum.py`'s docstring).", "",
              "| micro-batches | sum | edq (norm-relative error) | share of elements off by "
-             "> 2^-16 | max relative error |", "|---|---|---|---|---|"]
+             "> 2^-16 | max relative error | vs float32 sum: norm-relative | "
+             "vs float32 sum: max relative | vs float32 sum: share of elements not equal |",
+             "|---|---|---|---|---|---|---|---|"]
     for n, per in result["gradient"].items():
         for name, e in per.items():
             lines.append(f"| {n} | {name} | {e['edq']:.3g} | {e['share_above_2^-16']:.3g} | "
-                         f"{e['max_relative']:.3g} |")
-    lines += ["", f"## Training loss after {meta['steps']} AdamW (plus) steps", "",
-              "| micro-batches | plain: train / val loss | pair: train / val loss | "
-              "weights' relative distance |", "|---|---|---|---|"]
+                         f"{e['max_relative']:.3g} | {e['edq_vs_float32']:.3g} | "
+                         f"{e['max_relative_vs_float32']:.3g} | "
+                         f"{e['share_not_float32']:.3g} |")
+    same = result["micro_batches_identical"]
+    lines += ["", "The micro-batch gradients of the pair and the plain runs identical bit for "
+              "bit: " + ", ".join(f"{n}: {v}" for n, v in same.items()) + "."]
+    if result["loss"]:
+        lines += ["", f"## Training loss after {meta['steps']} AdamW (plus) steps", "",
+                  "| micro-batches | plain: train / val loss | pair: train / val loss | "
+                  "weights' relative distance |", "|---|---|---|---|"]
     for n, r in result["loss"].items():
         lines.append(f"| {n} | {r['plain']['final_train_loss']:.4f} / "
                      f"{r['plain']['val_loss']:.4f} | {r['pair']['final_train_loss']:.4f} / "
@@ -226,17 +242,31 @@ def markdown(meta: dict, result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _commit() -> str:
+    """``git rev-parse HEAD`` of this checkout ("unknown" outside git)."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head
+
+
 def main() -> None:
     parser = record.parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--micro-batch", type=int, default=2)
     args = parser.parse_args()
+    commit = _commit()  # before the run: what it measures
     start = time.perf_counter()
     result = run(args.steps, args.micro_batch)
     meta = record.metadata(
         args.hardware, threads=torch.get_num_threads(), steps=args.steps,
         micro_batch=args.micro_batch, seconds=time.perf_counter() - start,
+        python=platform.python_version(), commit=commit,
         command="python benchmarks/studies/grad_accum.py --out " + args.out
+                + f" --hardware {shlex.quote(args.hardware)}"
                 + f" --steps {args.steps} --micro-batch {args.micro_batch}")
     record.write(args.out, meta, result, markdown)
 

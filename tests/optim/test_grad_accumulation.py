@@ -353,6 +353,22 @@ def test_autograd_grad_leaves_the_sum():
     assert_bitwise_equal({"s": opt.accumulated_grad(p)}, {"s": _float32_loop(grads)})
 
 
+def test_autograd_grad_leaves_p_grad_in_place_so_zeroing_it_discards_the_sum():
+    """After torch.autograd.grad(loss, [p]) p.grad still holds the sum's high half (the
+    tensor hook sets nothing aside where autograd will not accumulate), so that
+    model.zero_grad() then discards the micro-batches, as it does without it."""
+    grads = _as_bf16(_grads("random_64"))[:4]
+    p = _param()
+    opt = collage.AdamW([p], grad_accumulation="pair", foreach=True)
+    _accumulate(opt, p, grads[:2])
+    held = p.grad
+    torch.autograd.grad((p * grads[2]).sum().float(), [p])
+    assert p.grad is held
+    p.grad = None  # model.zero_grad()
+    _accumulate(opt, p, grads[3:])
+    assert_bitwise_equal({"s": opt.accumulated_grad(p)}, {"s": _float32_loop(grads[3:])})
+
+
 def test_frozen_parameter_accepted():
     """A frozen parameter beside a trained one is accepted, as torch.optim accepts it; the
     trained one accumulates as usual."""

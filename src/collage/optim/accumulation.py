@@ -207,6 +207,8 @@ class PairHooks(HookSet):
         super().__init__(owner, _after, what)
         #: ``id(param)``: the tensor hook's handle
         self._before_handles: dict[int, object] = {}
+        #: ``id(param)``: its AccumulateGrad node (kept: torch reuses a live one)
+        self._accumulators: dict[int, object] = {}
 
     def sync(self, params: Iterable[torch.Tensor]) -> None:
         super().sync(params)
@@ -214,12 +216,29 @@ class PairHooks(HookSet):
             if key not in self._before_handles:
                 self._before_handles[key] = param.register_hook(
                     functools.partial(self._before, weakref.ref(param)))
+                with torch.enable_grad():
+                    self._accumulators[key] = param.view_as(param).grad_fn.next_functions[0][0]
 
     def _unhook(self, key: int) -> None:
         handle = self._before_handles.pop(key, None)
         if handle is not None:
             handle.remove()
+        self._accumulators.pop(key, None)
         super()._unhook(key)
+
+    def _accumulates(self, param: torch.Tensor) -> bool:
+        """Whether this backward adds into ``p.grad``: not ``torch.autograd.grad(...)``
+        (it runs the tensor hook, never the accumulation nor the post hook), nor a
+        ``backward(inputs=...)`` that leaves ``param`` out. torch's engine answers, and
+        refuses the question for a leaf inside ``autograd.grad``: that refusal is the
+        answer there."""
+        node = self._accumulators.get(id(param))
+        if node is None:
+            return True
+        try:
+            return torch._C._will_engine_execute_node(node)
+        except RuntimeError:  # "...we are currently running autograd.grad()"
+            return False
 
     # Autograd calls the hooks in the middle of backward: never traced
     @torch.compiler.disable
@@ -229,7 +248,8 @@ class PairHooks(HookSet):
         if param is not None and owner is not None and known is not None \
                 and known[0] is param and not owner.__dict__.get("_hooks_paused", False):
             refuse_data_parallel((), self.what)  # a process group made since
-            owner._sums.before(param)
+            if self._accumulates(param):
+                owner._sums.before(param)
 
 
 @torch.compiler.disable

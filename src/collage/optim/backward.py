@@ -2,18 +2,20 @@
 gradient accumulation (``docs/memory.md``).
 
 Both run in a hook torch calls on each parameter once its gradient is complete
-(``Tensor.register_post_accumulate_grad_hook``), and both free ``p.grad`` there:
+(``Tensor.register_post_accumulate_grad_hook``; who holds the hooks: ``hooks.py``):
 
 * ``step_in_backward=True``: the hook steps the parameter (:func:`step_one`: what ``step()``
-  does to it, as a group of one); ``opt.step()`` afterwards keeps the books (:class:`Cycle`:
-  :func:`take_cycle`, :func:`close_cycle`).
-* ``grad_accumulation="pair"``: the hook adds the gradient into a float32 running sum kept
-  here (:class:`GradSums`); ``step()`` writes its bf16 rounding into ``p.grad`` first.
+  does to it, as a group of one) and frees ``p.grad``; ``opt.step()`` afterwards keeps the
+  books (:class:`Cycle`: :func:`take_cycle`, :func:`close_cycle`) and steps what a
+  reentrant checkpoint left to it.
+* ``grad_accumulation="pair"``: the hooks keep a float32 running sum, its nearest bf16 in
+  ``p.grad`` and its low half in the optimizer (``accumulation.py``); ``step()`` reads the
+  float32 sum itself.
 
-The plain parts (the keywords' validation, the refusals under data parallelism, the hooks'
-bookkeeping and the running sums), then the functions of the optimizer that wire them: it
-keeps ``_cycle``, ``_sums`` and ``_hooks`` (:func:`start_hooks`), and parameters are hooked
-as they join (``admission.py``: ``HookSet.admit``).
+The plain parts (the keywords' validation, the hooks' bookkeeping), then the functions of
+the optimizer that wire them: it keeps ``_cycle``, ``_sums`` and ``_hooks``
+(:func:`start_hooks`), and parameters are hooked as they join (``admission.py``:
+``HookSet.admit``).
 """
 
 from __future__ import annotations
@@ -220,8 +222,9 @@ def _note_backward(optimizer, cycle: Cycle) -> None:
 
 def take_cycle(optimizer) -> Cycle | None:
     """At step(), first: the books of what the hooks did since the last step (None where
-    no hook stepped), and the gradients ``"pair"`` accumulated written into ``p.grad``.
-    GradScaler is refused: it found no gradient to check."""
+    no hook stepped); parameters unfrozen since hooked; GradScaler under the step in
+    backward refused (it found no gradient to check), and under ``"pair"`` the low halves
+    dropped where the scaler unscaled ``p.grad`` in place."""
     cycle, optimizer._cycle = optimizer._cycle, None
     if optimizer._hooks is not None:
         optimizer._hooks.refresh()  # parameters unfrozen since: hooked for the next backward
@@ -252,8 +255,10 @@ def _refuse_scaler_after_hooks(optimizer) -> None:
 
 
 def release_hooks(optimizer) -> None:
-    """``optimizer.release_hooks()``: the sums written into ``p.grad``, the hooks removed,
-    and the optimizer plain from now on (``step_in_backward=False``, ``"plain"``)."""
+    """``optimizer.release_hooks()``: the hooks removed, and the optimizer plain from now
+    on (``step_in_backward=False``, ``"plain"``). A ``"pair"`` sum held so far stays: the
+    next step reads it while ``p.grad`` is as the hooks left it; a later backward adds into
+    ``p.grad`` in bf16, as plain accumulation does, and the low half is dropped."""
     if optimizer._hooks is None:
         return
     write_grads(optimizer)

@@ -129,7 +129,7 @@ class CollageOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # what the backward hooks did since the last step (step_in_backward stepped each
-        # parameter in its hook; "pair" summed the gradients, now written to p.grad)
+        # parameter in its hook; "pair" keeps each sum in p.grad and the optimizer)
         cycle = backward.take_cycle(self)
         admission.check_groups(self)  # what was done to param_groups since, checked
         admission.convert_strategies(self)  # before gathering: the items hold the states
@@ -202,11 +202,10 @@ class CollageOptimizer(Optimizer):
         return norm
 
     def write_grads(self) -> None:
-        """Write the gradients accumulated in the optimizer (``grad_accumulation="pair"``)
-        into ``p.grad``, each float32 sum rounded once to the weight dtype, and free the
-        sums. step() and clip_grad_norm_ do it themselves; call it before other code that
-        reads ``p.grad`` (``torch.nn.utils.clip_grad_norm_``, GradScaler, logging). Until
-        then ``p.grad`` is None after backward. Nothing to do otherwise."""
+        """Kept for compatibility: with ``grad_accumulation="pair"``, ``p.grad`` already
+        holds each float32 sum's nearest bf16 (the optimizer its low half), for code that
+        reads it (``torch.nn.utils.clip_grad_norm_``, GradScaler, logging); nothing to
+        write (``docs/memory.md``)."""
         backward.write_grads(self)
 
     def accumulated_grad(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -232,8 +231,8 @@ class CollageOptimizer(Optimizer):
 
     def release_hooks(self) -> None:
         """Remove this optimizer's backward hooks for good, so that another optimizer (a
-        ``torch.optim`` one, say) sees the gradients: the gradients ``"pair"`` holds are
-        written into ``p.grad`` first, and this optimizer goes on as
+        ``torch.optim`` one, say) sees the gradients (``p.grad`` holds ``"pair"``'s sums,
+        to the nearest bf16), and this optimizer goes on as
         ``step_in_backward=False, grad_accumulation="plain"`` (``step()`` steps what
         ``p.grad`` holds). A new collage optimizer over the same parameters releases them
         itself, with a warning."""
