@@ -362,7 +362,7 @@ class UpdateStats:
         key_list = _unique(keys)
         if not key_list:
             raise ValueError("keys is empty: give at least one key (\"\" is the overall key)")
-        if intended.device.type == "meta":
+        if isinstance(intended, torch.Tensor) and intended.device.type == "meta":
             return  # a meta tensor has a shape and no values: nothing landed, nothing to count
         d, e = _delta(intended, before, after)
         ev = None

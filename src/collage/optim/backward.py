@@ -167,8 +167,11 @@ def step_one(optimizer, param: torch.Tensor) -> None:
         again = optimizer._writes.rederive_edited(
             strategy, [item], same_pointers=ready.plan_grads is not None)
         book.path = dispatch.run(ready)
-        if not (ready.by_plan and not again) and hides_weight(strategy):
-            optimizer._writes.note((param,))
+        if hides_weight(strategy):
+            if ready.by_plan and not again:
+                optimizer._writes.bumped([item])  # (dispatch moved its counter)
+            else:
+                optimizer._writes.note((param,))
         cycle.stepped.add(id(param))
         cycle.this_backward.add(id(param))
     param.grad = None

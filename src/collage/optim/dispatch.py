@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import compiled, eager, native
-from .group import Entry, GroupStep, entries_of, local
+from .group import ITEM_PARAM, Entry, GroupStep, entries_of, local
 from .native import path as native_path
 from .triton import path as triton_path
 
@@ -112,8 +112,8 @@ def _native_covers(group: GroupStep) -> bool:
 class Prepared:
     """A group's step, checked and ready to run: its path, and its entries or the native
     or Triton plan's gradient pointers. ``by_plan``: set by :func:`run` when the plan
-    stepped the group (its kernels wrote through pointers: no weight's version counter
-    moved)."""
+    stepped the group (its kernels wrote through pointers; :func:`run` then moved each
+    weight's version counter by exactly one, as an in-place torch operation does)."""
 
     group: GroupStep
     path: str
@@ -167,6 +167,7 @@ def step_native_plans(prepared: Sequence[Prepared | None], check: bool) -> bool 
     if stepped:
         for p in runs:
             p.by_plan = True
+            _written_through_pointers(p.group)
     return stepped
 
 
@@ -188,10 +189,28 @@ def run(prepared: Prepared) -> str:
     if prepared.plan_grads is not None:
         if _PLANNED[prepared.path](group, prepared.plan_grads):
             prepared.by_plan = True
+            _written_through_pointers(group)
             return prepared.path
         prepared = prepare(group)  # a step counter was changed in place since
     _RUNNERS[prepared.path](group, prepared.entries)
+    if prepared.path in _THROUGH_POINTERS:
+        _written_through_pointers(group)
     return prepared.path
+
+
+#: the paths whose kernels write the weights through their pointers, unseen by autograd
+_THROUGH_POINTERS = frozenset({"native", "triton"})
+
+
+def _written_through_pointers(group: GroupStep) -> None:
+    """Move each weight's version counter, as torch's in-place operations do: autograd
+    then refuses a backward through a graph that saved the weights before this step
+    (``retain_graph=True``, then ``step()``, then ``backward()``), as it refuses after
+    ``torch.optim``, and caches keyed on ``_version`` see the change. One C loop over the
+    group (what ``torch.autograd.graph.increment_version`` calls, without its Python
+    wrapper: this runs every step); ``edits.WriteLog.bumped`` keeps the optimizer's own
+    records in step."""
+    torch._C._increment_version(list(map(ITEM_PARAM, group.items)))
 
 
 def step_group(group: GroupStep) -> str | None:

@@ -11,8 +11,9 @@ its next step starts from the weight as the user left it; so does ours:
 
 * after every step, :class:`WriteLog` records per parameter what the optimizer left: the
   weight's version counter and its data pointer, read after the step's own writes (torch's
-  in-place ops bump the counter, the native C and Triton kernels write through pointers and
-  do not: reading it afterwards covers both);
+  in-place ops bump the counter; the native C and Triton kernels write through pointers,
+  and ``dispatch`` then moves each counter by one, which :meth:`WriteLog.bumped` follows
+  without reading them);
 * before the next step's kernels run (after every check, so that a refused step changes
   nothing), a parameter whose counter or pointer differs was written by someone else: its
   hidden components are set from the visible weight with the strategy's own inverse,
@@ -90,10 +91,14 @@ def rederive(strategy: Strategy, param: torch.Tensor, state: dict) -> None:
 class WriteLog:
     """Per parameter (by identity), the mark the optimizer's last write left."""
 
-    __slots__ = ("_left", "_kept")
+    __slots__ = ("_left", "_kept", "_bumps")
 
     def __init__(self) -> None:
         self._left: dict[int, Mark] = {}
+        #: ids of parameters whose counter a kernel moved by one since their mark was
+        #: taken, one list per group stepped: applied to the marks before they are read
+        #: (:meth:`_apply_bumps`), so that the common step pays one list per group
+        self._bumps: list[list[int]] = []
         # per group (by its first parameter's id), the parameters' ids and the versions
         # :meth:`_versions_kept` last found equal to their marks; emptied whenever a mark
         # changes, so that equal versions still mean "as the optimizer left them"
@@ -104,15 +109,44 @@ class WriteLog:
         describe the weights they were saved with)."""
         self._left.clear()
         self._kept.clear()
+        self._bumps.clear()
 
     def note(self, params: Iterable[torch.Tensor]) -> None:
         """Record the marks the optimizer leaves in ``params`` (after its writes)."""
+        self._apply_bumps()
         self._left.update({id(param): _mark(param) for param in params})
         self._kept.clear()
+
+    def bumped(self, items: Sequence[Item]) -> None:
+        """The step moved the version counter of each item's parameter by exactly one
+        (``dispatch``: kernels that write through pointers), and recorded nothing else:
+        the marks follow. The group's cached versions move at once (one list); the marks
+        themselves when next read."""
+        ids = list(map(id, map(ITEM_PARAM, items)))
+        if not ids:
+            return
+        kept = self._kept.get(ids[0])
+        if kept is not None and kept[0] == ids:
+            self._kept[ids[0]] = (ids, [version + 1 for version in kept[1]])
+        self._bumps.append(ids)
+        if len(self._bumps) > 64:  # bounded: the plan's steps append one list each
+            self._apply_bumps()
+
+    def _apply_bumps(self) -> None:
+        if not self._bumps:
+            return
+        left = self._left
+        for ids in self._bumps:
+            for key in ids:
+                mark = left.get(key)
+                if mark is not None:
+                    left[key] = (mark[0] + 1, mark[1])
+        self._bumps.clear()
 
     def edited(self, param: torch.Tensor) -> bool:
         """Whether ``param`` was written since the optimizer last left it (never for a
         parameter it has not written yet: its state is made from the weight)."""
+        self._apply_bumps()
         known = self._left.get(id(param))
         return known is not None and known != _mark(param)
 
@@ -141,6 +175,7 @@ class WriteLog:
             return kept[1] == versions           # change of a mark: compare with those
         if not set(map(type, params)) <= PLAIN_TENSORS:
             return False
+        self._apply_bumps()
         marks = list(map(self._left.get, ids))
         if None in marks or list(map(_VERSION_OF_MARK, marks)) != versions:
             return False
@@ -165,6 +200,7 @@ class WriteLog:
             return False
         if same_pointers and self._versions_kept(items):
             return False
+        self._apply_bumps()
         get, plain, found = self._left.get, PLAIN_TENSORS, False
         for item in items:
             param = item.param

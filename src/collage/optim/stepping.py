@@ -155,10 +155,12 @@ def step_planned(optimizer, batches: list[Batch], planned: list) -> bool:
     if not stepped:
         report_nonfinite(optimizer, batches)  # raises, or counts the skipped step
         return True
-    books = optimizer._books
+    books, writes = optimizer._books, optimizer._writes
     for (_, group, _), ready in zip(batches, planned):
         if ready is not None:
             books[id(group)].path = ready.path
+            if hides_weight(ready.group.strategy):
+                writes.bumped(ready.group.items)  # (dispatch moved their counters)
     optimizer._steps_taken += 1
     return True
 
@@ -205,11 +207,14 @@ def _rederive_edits(optimizer, batches: list[Batch], prepared: list) -> list[boo
 def _note_writes(optimizer, batches: list[Batch], prepared: list, rederived: list[bool]
                  ) -> None:
     """Record what this step left in the weights it wrote (``edits.WriteLog``). A group
-    stepped by its plan, nothing re-derived, left them as the check read them (its
-    kernels write through pointers): nothing to record."""
+    stepped by its plan, nothing re-derived, left them as the check read them but for
+    the version counters dispatch moved by one: the records move with them."""
     for (_, group, items), (_, ready), again in zip(batches, prepared, rederived):
-        unchanged = ready is not None and ready.by_plan and not again
-        if not unchanged and hides_weight(get_strategy(group["strategy"])):
+        if not hides_weight(get_strategy(group["strategy"])):
+            continue
+        if ready is not None and ready.by_plan and not again:
+            optimizer._writes.bumped(items)
+        else:
             optimizer._writes.note(item.param for item in items)
 
 
