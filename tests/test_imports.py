@@ -168,15 +168,9 @@ def test_only_the_entry_points_import_the_command_line():
 # --------------------------------------------------------------------------------------------
 
 
-def _write(root: Path, files: dict[str, str]) -> None:
-    for name, text in files.items():
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
 
-
-def test_a_cycle_through_relative_imports_is_found(tmp_path):
-    _write(tmp_path, {
+def test_a_cycle_through_relative_imports_is_found(tmp_path, write_tree):
+    write_tree({
         "pkg/__init__.py": "",
         "pkg/sub/__init__.py": "from . import a\n",
         "pkg/sub/a.py": "from .b import thing\n",
@@ -189,8 +183,8 @@ def test_a_cycle_through_relative_imports_is_found(tmp_path):
     assert find_cycle(graph) == ["pkg.sub.a", "pkg.sub.b", "pkg.top", "pkg.sub.a"]
 
 
-def test_function_level_and_guarded_imports_are_told_apart(tmp_path):
-    _write(tmp_path, {
+def test_function_level_and_guarded_imports_are_told_apart(tmp_path, write_tree):
+    write_tree({
         "pkg/__init__.py": "",
         "pkg/a.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                      "    from .b import B\n\ndef f():\n    from . import c\n"

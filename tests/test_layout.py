@@ -121,15 +121,9 @@ def test_the_registry_names_every_strategy():
 # --------------------------------------------------------------------------------------------
 
 
-def _write(root: Path, files: dict[str, str]) -> None:
-    for name, text in files.items():
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
 
-
-def test_literals_are_found_where_they_stand_for_a_strategy(tmp_path):
-    _write(tmp_path, {
+def test_literals_are_found_where_they_stand_for_a_strategy(tmp_path, write_tree):
+    write_tree({
         "pkg/strategies/plus.py": 'name = "plus"\n',
         "pkg/a.py": ('"""Uses the plus strategy."""\n__all__ = ["plus", "run"]\n'
                      'def run(strategy="plus"):\n    return strategy == "kahan"\n'
@@ -142,8 +136,8 @@ def test_literals_are_found_where_they_stand_for_a_strategy(tmp_path):
                      Literal("pkg/a.py", 6, "plus"), Literal("pkg/b.py", 2, "kahan")}
 
 
-def test_long_files_of_every_source_kind_are_found(tmp_path):
-    _write(tmp_path, {"pkg/short.py": "x = 1\n" * 3, "pkg/long.py": "x = 1\n" * 4,
+def test_long_files_of_every_source_kind_are_found(tmp_path, write_tree):
+    write_tree({"pkg/short.py": "x = 1\n" * 3, "pkg/long.py": "x = 1\n" * 4,
                       "pkg/long.h": "/* */\n" * 4, "pkg/long.md": "text\n" * 9,
                       "pkg/__pycache__/long.py": "x = 1\n" * 9})
     assert long_files(tmp_path, 3) == ["pkg/long.h: 4 lines", "pkg/long.py: 4 lines"]
