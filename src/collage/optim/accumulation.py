@@ -243,10 +243,9 @@ class PairHooks(HookSet):
     # Autograd calls the hooks in the middle of backward: never traced
     @torch.compiler.disable
     def _before(self, param_ref: weakref.ref, grad: torch.Tensor) -> None:
-        param, owner = param_ref(), self._owner()
-        known = self._handles.get(id(param))
-        if param is not None and owner is not None and known is not None \
-                and known[0] is param and not owner.__dict__.get("_hooks_paused", False):
+        param = param_ref()
+        owner = self.active_owner(param)
+        if owner is not None:
             refuse_data_parallel((), self.what)  # a process group made since
             if self._accumulates(param):
                 owner._sums.before(param)

@@ -164,10 +164,17 @@ class HookSet:
             del _OWNERS[key]
 
     def _hook(self, param: torch.Tensor) -> None:
-        owner = self._owner()
-        # only the parameters hooked here: a copy of a parameter that carried the hook
-        # along must not feed its gradient to this optimizer
-        known = self._handles.get(id(param))
-        if owner is not None and known is not None and known[0] is param \
-                and not owner.__dict__.get("_hooks_paused", False):
+        owner = self.active_owner(param)
+        if owner is not None:
             self._on_ready(owner, param)
+
+    def active_owner(self, param: torch.Tensor | None) -> object | None:
+        """The optimizer a hook on ``param`` serves now: None where it was dropped, is
+        paused, or where ``param`` is not one hooked here (a copy of a parameter that
+        carried the hook along must not feed its gradient to this optimizer)."""
+        owner = self._owner()
+        known = self._handles.get(id(param))
+        if owner is None or known is None or known[0] is not param \
+                or owner.__dict__.get("_hooks_paused", False):
+            return None
+        return owner
