@@ -35,13 +35,7 @@ import torch
 
 from .hooks import HookSet, refuse_data_parallel
 
-__all__ = ["WRITTEN_AFTER", "GradSums", "PairHooks", "combine", "split"]
-
-WRITTEN_AFTER = (
-    "parameter {name!r} has a gradient written after backward's hook ran: {what}. Something "
-    "wrote p.grad after autograd's accumulation; DDP does (the all-reduced gradient, at the "
-    "end of backward), so the hook saw the local gradient only. This is not supported under "
-    "DDP: leave step_in_backward and grad_accumulation at their defaults there")
+__all__ = ["GradSums", "PairHooks", "combine", "split"]
 
 #: half a bf16 ulp, in float32 bit patterns: bf16 keeps the top 16 of a float32's 32 bits
 _HALF = 0x8000

@@ -27,7 +27,7 @@ import torch
 
 from ..metrics import UpdateStats
 from . import dispatch
-from .accumulation import WRITTEN_AFTER, GradSums, PairHooks
+from .accumulation import GradSums, PairHooks
 from .admission import check_groups, convert_strategies, param_names
 from .edits import hides_weight
 from .hooks import HookSet, inside_reentrant_backward, refuse_data_parallel
@@ -54,6 +54,13 @@ def check_keywords(step_in_backward: object, grad_accumulation: object) -> None:
             "step_in_backward=True steps each parameter during every backward(), so there "
             "is no gradient left to accumulate: grad_accumulation='pair' needs "
             "step_in_backward=False (accumulate over micro-batches, then step())")
+
+
+_WRITTEN_AFTER = (
+    "parameter {name!r} has a gradient written after backward's hook ran: {what}. Something "
+    "wrote p.grad after autograd's accumulation; DDP does (the all-reduced gradient, at the "
+    "end of backward), so the hook saw the local gradient only. This is not supported under "
+    "DDP: leave step_in_backward and grad_accumulation at their defaults there")
 
 
 @dataclass
@@ -87,7 +94,7 @@ class Cycle:
         at the end of backward): the step used the local gradient. Refuse, saying so."""
         for name, param in names_and_params:
             if id(param) in self.stepped:
-                raise RuntimeError(WRITTEN_AFTER.format(
+                raise RuntimeError(_WRITTEN_AFTER.format(
                     name=name, what="step_in_backward=True stepped it on the gradient "
                     "autograd completed, and freed it"))
 
@@ -232,7 +239,6 @@ def take_cycle(optimizer) -> Cycle | None:
     if optimizer._hooks is not None:
         optimizer._hooks.refresh()  # parameters unfrozen since: hooked for the next backward
     _refuse_scaler_after_hooks(optimizer)
-    write_grads(optimizer)  # grad_accumulation="pair": sums to p.grad
     return cycle
 
 

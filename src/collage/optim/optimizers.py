@@ -44,10 +44,10 @@ _SHARED_DOC = """
         keeps the books). Per-parameter non-finite check; no ``clip_grad_norm_``, no
         GradScaler, no DDP/FSDP2 (``docs/memory.md``).
     grad_accumulation: ``"plain"`` (default: autograd adds each backward's gradient into
-        ``p.grad`` in the weight dtype) or ``"pair"``: the optimizer keeps a float32 sum of
-        the gradients of the backward passes since the last step (2 more bytes per
-        parameter while accumulating) and ``step()`` uses it; ``p.grad`` is None between
-        backward and step (``write_grads()`` writes it; ``docs/memory.md``).
+        ``p.grad`` in the weight dtype) or ``"pair"``: a float32 sum of the gradients of the
+        backward passes since ``zero_grad``, its nearest bf16 in ``p.grad`` and its low
+        half in the optimizer (2 more bytes per parameter), and ``step()`` reads the float32
+        sum (``docs/memory.md``).
 """
 
 

@@ -324,9 +324,6 @@ def _clip(s: Session) -> float:
     formed (``--step-in-backward``: no gradient outlives backward)."""
     if s.config.optim.step_in_backward:
         return math.nan
-    write_grads = getattr(s.opt, "write_grads", None)  # --grad-accumulation pair's sums
-    if write_grads is not None:
-        write_grads()
     return clip_gradients(s.model, s.config.optim.grad_clip)
 
 
