@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import collage
+from collage.optim import backward as backward_module
 from collage.optim.strategies import get_strategy
 
 from ._common import PATHS, RULE_CASES, assert_bitwise_equal, batch, make_mlp, snapshot, \
@@ -318,3 +319,69 @@ def test_pair_under_one_rank_ddp_steps_the_gradient_ddp_wrote():
         opt.step()
         stepped.append(snapshot(model, opt))
     assert_bitwise_equal(*stepped)
+
+
+# ------------------------------------------------------------------------------ buckets
+
+def _many_layers(n: int = 24) -> torch.nn.Sequential:
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        layers = [torch.nn.Linear(16, 16) for _ in range(n)]
+    return torch.nn.Sequential(*layers).to(torch.bfloat16)
+
+
+def _steps_counted(monkeypatch, in_backward: bool, **limits) -> tuple[dict, list[int]]:
+    """Three training steps of a 48-parameter model on the native path; the kernel calls
+    (``dispatch.run``) of each backward, counted"""
+    for name, value in limits.items():
+        monkeypatch.setattr(backward_module, name, value)
+    calls = []
+    real_run = backward_module.dispatch.run
+    monkeypatch.setattr(backward_module.dispatch, "run",
+                        lambda ready: calls.append(1) or real_run(ready))
+    model = _many_layers()
+    opt = collage.AdamW(model.parameters(), lr=1e-2, strategy="plus",
+                        step_in_backward=in_backward)
+    per_backward = []
+    for step in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        before = len(calls)
+        model(x.to(torch.bfloat16)).float().square().mean().backward()
+        per_backward.append(len(calls) - before)
+        assert all(p.grad is None for p in model.parameters()) == in_backward
+        opt.step()
+        opt.zero_grad()
+    return snapshot(model, opt), per_backward
+
+
+def test_in_backward_steps_buckets_not_parameters(monkeypatch):
+    """The hooks hand their parameters to a bucket, stepped by one call per group at
+    1/BUCKETS of the elements and at the end of backward: 48 parameters in 16 + 1 calls at
+    most (not 48), bit for bit step()'s result; one bucket (BUCKETS = 1) steps a
+    backward in one call, a bucket of one element per parameter in 48, with the same bits."""
+    after, _ = _steps_counted(monkeypatch, in_backward=False)
+    during, calls = _steps_counted(monkeypatch, in_backward=True)
+    assert_bitwise_equal(during, after)
+    assert all(1 < count <= 17 for count in calls), calls
+    whole, calls = _steps_counted(monkeypatch, in_backward=True, BUCKETS=1)
+    assert_bitwise_equal(whole, after)
+    assert calls == [1, 1, 1]
+    single, calls = _steps_counted(monkeypatch, in_backward=True, BUCKET_MAX_ELEMENTS=1)
+    assert_bitwise_equal(single, after)
+    assert calls == [48, 48, 48]
+
+
+def test_in_backward_bucket_frees_its_gradients_before_backward_ends(monkeypatch):
+    """A stepped bucket's gradients are freed at once: with a bucket per parameter, when the
+    first layer's hook runs (the last of the backward), the later layers' gradients are
+    gone (their memory is what the step in backward saves)."""
+    model = _many_layers(4)
+    opt = collage.AdamW(model.parameters(), lr=1e-2, strategy="plus", step_in_backward=True)
+    seen = []
+    first = model[0].weight
+    first.register_post_accumulate_grad_hook(
+        lambda p: seen.append([q.grad is None for q in model[2:].parameters()]))
+    monkeypatch.setattr(backward_module, "BUCKET_MAX_ELEMENTS", 1)
+    model(torch.ones(2, 16, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    assert seen == [[True] * 4]

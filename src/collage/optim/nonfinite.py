@@ -297,6 +297,18 @@ def finite_in_backward(optimizer, cycle, item: Item) -> bool:
     return False
 
 
+def finite_items_in_backward(optimizer, cycle, items: list[Item]) -> list[Item]:
+    """:func:`finite_in_backward` over a bucket of the step in backward: one read of every
+    gradient where all are finite (the common case: one native call instead of one per
+    parameter), and the per-parameter verdicts only where one is not."""
+    if optimizer.nonfinite == "ignore":
+        return items
+    grads = [local(item.grad) for item in items if item.grad.device.type != "meta"]
+    if not grads or not bool(nonfinite_flag(grads, host=True)):
+        return items
+    return [item for item in items if finite_in_backward(optimizer, cycle, item)]
+
+
 def report_skipped(optimizer, cycle) -> None:
     """At step(): count a step whose backward skipped parameters as one skipped step,
     and say which were skipped."""
