@@ -27,6 +27,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import collage
 from collage.optim import compiled, edits, get_strategy
@@ -494,3 +495,115 @@ def test_a_checkpoint_saved_after_an_edit_keeps_it(strategy: str) -> None:
     _train(resumed, resumed_opt, range(3, 4))
     assert torch.equal(resumed.weight.detach(), pruned)
     assert torch.equal(represented(resumed_opt, resumed.weight), pruned.double())
+
+
+# -------------------------------------------------- a new memory layout is not an edit (#42)
+
+CHANNELS_LAST = torch.channels_last
+
+
+def _conv_run(strategy: str, path: str, convert_before: int | None) -> tuple:
+    """6 steps of two conv layers on gradients set by hand (the same values in every run,
+    laid out as the weight), ``model.to(memory_format=torch.channels_last)`` before step
+    ``convert_before``; the weights (contiguous copies) and what they represent."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 4, 3))
+    model = model.to(_dtype(strategy))
+    opt = collage.AdamW(model.parameters(), lr=LR, weight_decay=0.1, strategy=strategy,
+                        **PATHS[path])
+    for step in range(6):
+        if step == convert_before:
+            model.to(memory_format=CHANNELS_LAST)
+        g = torch.Generator().manual_seed(200 + step)
+        for p in model.parameters():
+            grad = (torch.randn(p.shape, generator=g) * 1e-2).to(p.dtype)
+            p.grad = grad.to(memory_format=CHANNELS_LAST) if (
+                p.dim() == 4 and convert_before is not None and step >= convert_before) \
+                else grad
+        opt.step()
+    return ([bits(p.detach().contiguous()) for p in model.parameters()],
+            [represented(opt, p).contiguous() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("strategy", HIDDEN)
+def test_a_new_memory_layout_keeps_the_hidden_components(strategy: str, path: str) -> None:
+    """``model.to(memory_format=torch.channels_last)`` after the optimizer exists gives each
+    conv weight new data with the same values: not an edit. A step at lr = 0 after it keeps
+    what every weight represents bit for bit (before: the master and the low parts were
+    reset from the weight, as for an edit: up to half a bf16 ulp lost per element)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 4, 3))
+    model = model.to(BF16)
+    opt = collage.AdamW(model.parameters(), lr=LR, weight_decay=0.1, strategy=strategy,
+                        **PATHS[path])
+    for step in range(3):
+        g = torch.Generator().manual_seed(300 + step)
+        for p in model.parameters():
+            p.grad = (torch.randn(p.shape, generator=g) * 1e-2).to(BF16)
+        opt.step()
+    before = [represented(opt, p) for p in model.parameters()]
+    assert any(not torch.equal(value, p.detach().double())
+               for value, p in zip(before, model.parameters()))  # (something hidden)
+    model.to(memory_format=CHANNELS_LAST)
+    assert model[0].weight.is_contiguous(memory_format=CHANNELS_LAST)
+    _set_lr(opt, 0.0)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p, value in zip(model.parameters(), before):
+        assert torch.equal(represented(opt, p), value)
+
+
+@pytest.mark.parametrize("path", ["per_tensor", "foreach"])
+@pytest.mark.parametrize("strategy", HIDDEN + ("bf16",))
+def test_a_new_memory_layout_trains_as_the_old_one(strategy: str, path: str) -> None:
+    """On the paths whose arithmetic does not depend on the layout (torch's elementwise
+    kernels, the states laid out as the weight: ``eager._lay_states_as_weight``), a run that
+    converts after 3 steps is bit for bit the run that never converts. (The native and
+    Triton kernels step only contiguous weights: a channels_last one takes the per-tensor
+    kernel, whose bits equal the native ones where torch's float32 square root is correctly
+    rounded; the reference path rounds otherwise on the new layout: docs/reliability.md.)"""
+    weights, values = _conv_run(strategy, path, None)
+    converted, converted_values = _conv_run(strategy, path, 3)
+    for a, b in zip(weights + values, converted + converted_values):
+        assert torch.equal(a, b)
+
+
+def test_new_values_in_a_new_layout_are_an_edit() -> None:
+    """A weight replaced through ``.data`` by other values in another layout is an edit:
+    a step at lr = 0 keeps the new weight exactly (its low part set to zero)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(3, 8, 3).to(BF16)
+    opt = collage.AdamW(conv.parameters(), lr=LR, strategy="plus")
+    for step in range(3):
+        conv.weight.grad = torch.full_like(conv.weight, 1e-2 * (step + 1))
+        conv.bias.grad = torch.full_like(conv.bias, 1e-2)
+        opt.step()
+    assert opt.state[conv.weight]["weight_lo"].any()  # (something to reset)
+    new = (conv.weight.detach() * 0.5).to(memory_format=CHANNELS_LAST)
+    conv.weight.data = new
+    _set_lr(opt, 0.0)
+    conv.weight.grad = torch.zeros_like(conv.weight)
+    opt.step()
+    assert torch.equal(represented(opt, conv.weight), new.double())
+
+
+def test_a_replaced_weight_s_old_storage_is_let_go_at_the_next_step() -> None:
+    """The log's alias of the data it recorded keeps a replaced weight's old storage alive
+    until the next step compares it, then lets it go."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(3, 8, 3).to(BF16)
+    opt = collage.AdamW(conv.parameters(), lr=LR, strategy="plus")
+    conv.weight.grad = torch.full_like(conv.weight, 1e-2)
+    opt.step()
+    old = StorageWeakRef(conv.weight.untyped_storage())
+    conv.to(memory_format=CHANNELS_LAST)
+    assert not old.expired()
+    conv.weight.grad = torch.full_like(conv.weight, 1e-2).to(memory_format=CHANNELS_LAST)
+    opt.step()
+    assert old.expired()

@@ -183,6 +183,7 @@ def step_one(group: GroupStep, entry: Entry, reference: bool) -> None:
     if stats is not None:
         before = kernels.represented_value(strategy, param, tensors)
         visible_before = param.detach().clone()
+    _lay_states_as_weight(entry)
     if reference:
         grad = _reference_grad(_laid_out_as(param, entry.grad), group,
                                strategy.state_dtype(param.dtype))
@@ -218,6 +219,23 @@ def _laid_out_as(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     if grad.stride() == param.stride():
         return grad
     return torch.empty_like(param, dtype=grad.dtype).copy_(grad)
+
+
+def _lay_states_as_weight(entry: Entry) -> None:
+    """The state's components given the weight's strides where they differ (copies, kept in
+    the state: done once), for the reason of :func:`_laid_out_as`: a weight laid out anew
+    (``model.to(memory_format=torch.channels_last)`` after the optimizer was made, which
+    ``edits.WriteLog`` does not take for an edit) would otherwise be stepped by torch's
+    scalar loop against its contiguous states, and round some fused operations otherwise
+    than the run that had the layout from the start. Every such entry comes here: the
+    flat paths (foreach, native, Triton) take only contiguous ones. Plain tensors only (a
+    sharded state is its shards' layout)."""
+    param, state = entry.param, entry.state
+    for key, tensor in entry.tensors.items():
+        if (tensor.shape == param.shape and tensor.stride() != param.stride()
+                and state.get(key) is tensor):
+            laid = torch.empty_like(param, dtype=tensor.dtype).copy_(tensor)
+            state[key] = entry.tensors[key] = laid
 
 
 def _reference_grad(grad: torch.Tensor, group: GroupStep, dtype: torch.dtype) -> torch.Tensor:

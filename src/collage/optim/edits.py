@@ -22,6 +22,14 @@ its next step starts from the weight as the user left it; so does ours:
   exactly, and a step at lr = 0 keeps it bit for bit. The rule's states (moments) are kept,
   as torch.optim keeps them.
 
+A weight replaced through ``.data`` with the same values (``model.to(memory_format=
+torch.channels_last)``, which gives each 4-d weight a new tensor with the same values in
+another layout; a move and back) is not an edit: its counter is the same and only its
+pointer moved, so the log compares the new data with the data it recorded (it keeps a
+detached alias of each weight's data: no copy while the weight keeps its storage; the old
+storage of a replaced weight stays alive until the next step looks at it, then is let go).
+Equal bits: the components are kept; other values: an edit, as above.
+
 In place, so the native and Triton plans (which check data pointers) stay valid and read
 the new values. Strategies with nothing beside the weight are not walked at all. What is
 not seen (a write through ``.data``, which has its own version counter, or through another
@@ -77,6 +85,20 @@ def _sharded_mark(param: torch.Tensor) -> Mark:
     return param._version + shard._version, shard.data_ptr()
 
 
+#: the integer dtype of each element size: bits compared as integers (-0 is not +0, a NaN
+#: equals itself)
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(old: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether two tensors hold the same elements bit for bit, whatever their layouts."""
+    if (old.shape != new.shape or old.dtype != new.dtype or old.device != new.device
+            or old.element_size() not in _BITS):
+        return False
+    bits = _BITS[old.element_size()]
+    return torch.equal(old.view(bits), new.view(bits))
+
+
 @torch.no_grad()  # also outside a step (state_dict, consolidate): the weight is a leaf
 def rederive(strategy: Strategy, param: torch.Tensor, state: dict) -> None:
     """Set the components beside the weight from the visible weight, in place: the
@@ -91,10 +113,13 @@ def rederive(strategy: Strategy, param: torch.Tensor, state: dict) -> None:
 class WriteLog:
     """Per parameter (by identity), the mark the optimizer's last write left."""
 
-    __slots__ = ("_left", "_kept", "_bumps")
+    __slots__ = ("_left", "_kept", "_bumps", "_data")
 
     def __init__(self) -> None:
         self._left: dict[int, Mark] = {}
+        #: per parameter, a detached alias of the data its mark was taken on: what a
+        #: replacement through ``.data`` is compared with (:meth:`_replaced`)
+        self._data: dict[int, torch.Tensor] = {}
         #: ids of parameters whose counter a kernel moved by one since their mark was
         #: taken, one list per group stepped: applied to the marks before they are read
         #: (:meth:`_apply_bumps`), so that the common step pays one list per group
@@ -110,11 +135,18 @@ class WriteLog:
         self._left.clear()
         self._kept.clear()
         self._bumps.clear()
+        self._data.clear()
 
     def note(self, params: Iterable[torch.Tensor]) -> None:
         """Record the marks the optimizer leaves in ``params`` (after its writes)."""
         self._apply_bumps()
-        self._left.update({id(param): _mark(param) for param in params})
+        left, data = self._left, self._data
+        for param in params:
+            key, mark = id(param), _mark(param)
+            left[key] = mark
+            alias = data.get(key)
+            if alias is None or alias.data_ptr() != mark[1]:  # (an alias per storage)
+                data[key] = local(param).detach()
         self._kept.clear()
 
     def bumped(self, items: Sequence[Item]) -> None:
@@ -148,7 +180,29 @@ class WriteLog:
         parameter it has not written yet: its state is made from the weight)."""
         self._apply_bumps()
         known = self._left.get(id(param))
-        return known is not None and known != _mark(param)
+        return known is not None and self._moved(param, known, _mark(param))
+
+    def _moved(self, param: torch.Tensor, known: Mark, mark: Mark) -> bool:
+        """Whether ``param``, marked ``mark`` now and ``known`` when last left, was written:
+        its counter moved, or it was replaced through ``.data`` with other values."""
+        if mark == known:
+            return False
+        return mark[0] != known[0] or self._replaced(param, mark)
+
+    def _replaced(self, param: torch.Tensor, mark: Mark) -> bool:
+        """``param``'s data was replaced (a new pointer, the same counter): whether with
+        other values than it had. The same bits in another layout, or another tensor of the
+        same bits, are not an edit: the mark and alias move to the new data (and the old
+        storage is let go; the kernels give the state the weight's layout:
+        ``eager.step_one``). Where no alias was recorded, it counts as an edit."""
+        key, new = id(param), local(param)
+        old = self._data.get(key)
+        if old is None or not _same_bits(old, new):
+            return True
+        self._left[key] = mark
+        self._data[key] = new.detach()
+        self._kept.clear()
+        return False
 
     def rederive_pending(self, strategy: Strategy,
                          states: Iterable[tuple[torch.Tensor, dict]]) -> None:
@@ -209,9 +263,10 @@ class WriteLog:
                 continue
             if param.__class__ in plain:
                 moved = known[0] != param._version or (
-                    not same_pointers and known[1] != param.data_ptr())
+                    not same_pointers and known[1] != param.data_ptr()
+                    and self._replaced(param, _mark(param)))
             else:
-                moved = known != _sharded_mark(param)
+                moved = self._moved(param, known, _sharded_mark(param))
             if moved and item.state:
                 rederive(strategy, param, item.state)
                 found = True
