@@ -85,6 +85,12 @@ CASES = (
     # any run), where the kernels skip the division by it
     Case("bias_correction_one", {"lr": 1e-2, "betas": (0.9, 0.0), "weight_decay": 0.1},
          data="nonfinite"),
+    # finite values below 2**63 only: the AVX2 and NEON builds step them in lean blocks
+    # (step_vector.h: no NaN blends), both lerp formulas, with and without the division
+    Case("lean", {"lr": 1e-2, "betas": (0.9, 0.999), "weight_decay": 0.1}, data="lean"),
+    Case("lean_lerp_ge_half_maximize", {"lr": 0.1, "betas": (0.3, 0.5), "weight_decay": 0.01,
+                                        "maximize": True}, data="lean"),
+    Case("lean_bias_correction_one", {"lr": 1e-2, "betas": (0.9, 0.0)}, data="lean"),
 )
 
 #: many small tensors, tails of every length, one larger (several vectors and a tail)
@@ -92,10 +98,14 @@ SIZES = (1, 2, 15, 16, 17, 31, 33, 64, 1000, 4099)
 
 
 def _values(n: int, gen: torch.Generator, kind: str, scale: float) -> torch.Tensor:
-    """float32 values with ``scale``-sized normals, then adversarial ones in every 5th slot."""
+    """float32 values with ``scale``-sized normals, then adversarial ones in every 5th slot
+    (``lean``: only those below 2**63 in magnitude, the largest just below it)."""
     x = torch.randn(n, generator=gen) * scale
     special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1e-38, 3e-39, 1e-20, -1e-22, 1e30,
                             -3e38, 2.0**-133, 1.0, -1.0])
+    if kind == "lean":
+        special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1e-38, 3e-39, 1e-20, -1e-22,
+                                2.0**-133, 1.0, -1.0, 2.0**62 * 1.98, -(2.0**62) * 1.98])
     if kind == "nonfinite":
         special = torch.cat([special, torch.tensor([float("inf"), -float("inf"),
                                                     float("nan")])])
@@ -501,3 +511,35 @@ def test_stochastic_rounding_of_every_low_half_is_the_reference(pairs: bool, fir
     below = x.abs() < torch.finfo(torch.bfloat16).max
     moved = (bits(got) != bits(nearest))[below].float().mean()
     assert 0.248 < moved < 0.252
+
+
+@pytest.mark.parametrize("strategy", ["plus", "split"])
+def test_a_second_moment_pair_summing_below_zero_takes_the_exact_code(strategy: str,
+                                                                      calls) -> None:
+    """A state loaded by hand may hold a pair whose sum v_hi + v_lo is negative (our kernels
+    never make one): its square root is NaN, which only the exact code rounds to bf16 as
+    NaN. The lean blocks' test (|v_lo| <= v_hi) sends such a block there: the foreach
+    kernel's bits, NaN patterns included, on 4,096 elements with one such pair."""
+    case = Case("lean", {"lr": 1e-2, "betas": (0.9, 0.999), "weight_decay": 0.1}, data="lean")
+    gen = torch.Generator().manual_seed(7)
+    # ordinary values only: every block but the one with the pair is a lean one
+    param = torch.nn.Parameter(torch.randn(4096, generator=gen).to(torch.bfloat16))
+    opt = collage.AdamW([param], strategy=strategy, nonfinite="ignore", **case.group)
+    param.grad = (torch.randn(4096, generator=gen) * 1e-2).to(torch.bfloat16)
+    opt.step()
+    state = opt.state[param]
+    state["exp_avg_sq"][1234] = 2.0**-20
+    state["exp_avg_sq_lo"][1234] = -(2.0**-19)
+    shadow, shadow_state = param.detach().clone(), _clone_state(state)
+    grad = (torch.randn(4096, generator=gen) * 1e-2).to(torch.bfloat16)
+    grad[1234] = 0.0  # v' = (v_hi + v_lo) beta2 < 0
+    param.grad = grad
+    opt.step()
+    _reference_step(opt, case, strategy, param, shadow, grad, shadow_state)
+    assert bool(shadow.float().isnan()[1234])  # (the case is the one meant)
+    _assert_same_bits(param.detach(), shadow, "weight", _nan_master(
+        strategy, param.detach(), state, shadow, shadow_state))
+    for key, value in shadow_state.items():
+        if key != "step":
+            _assert_same_bits(state[key], value, key)
+    assert calls == [strategy] * 2

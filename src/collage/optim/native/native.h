@@ -17,6 +17,7 @@
  *                  compilers' vector extensions, one fma, square root and lane test each
  *   rounding_vector.h  rounding.h's helpers on simd.h's vectors
  *   step_vector.h  the same step on simd.h's vectors, one source for every width
+ *   lean_vector.h  which of its blocks may take the lean forms (no NaN guards: #40)
  *   adamw.c        the unmeasured entry points, threaded (collage_adamw, _threads, and
  *                  _planned: a step of every planned group with the non-finite check)
  *   measured.c     the measured entry point (collage_adamw_measured)

@@ -73,9 +73,12 @@ static inline __attribute__((always_inline)) void g_normalize_kahan(vu *hi, vu *
  * where hi is inf or NaN, lo = +0 and t rounds to hi again. So the pair changes only where
  * RN(t) != hi: one sum and one rounding find it (ten operations against the seventeen of
  * the normalisation, and no class test: subnormals and NaN included). */
-static inline __attribute__((always_inline)) void g_residual_pair(vf x, vu *hi, vu *lo) {
-    *hi = g_round(x);
-    *lo = g_residual(x, *hi);
+static inline __attribute__((always_inline)) void g_residual_pair(const int LEAN, vf x, vu *hi,
+                                                                vu *lo) {
+    /* LEAN (step_vector.h's lean blocks): x finite and far from overflow, so hi is finite
+     * and bf_round and g_residual are their integer forms */
+    *hi = LEAN ? g_round_number(x) : g_round(x);
+    *lo = LEAN ? g_round_number(x - f_bits(*hi)) : g_residual(x, *hi);
     /* NaN t only where hi is NaN (0xFFFF0000), which t's integer rounding gives back */
     vu again = g_round_number(f_bits(*hi) + f_bits(*lo));
     if (v_all((vi)(again == *hi))) *lo = u_bits(f_bits(*lo) + 0.0f);

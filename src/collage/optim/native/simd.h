@@ -91,6 +91,27 @@ static inline __attribute__((always_inline)) vw v_avg16(vw a, vw b) {
 #endif
 }
 
+/* the larger of a and b, lane by lane, as unsigned 16-bit and 32-bit integers */
+static inline __attribute__((always_inline)) vw v_max16(vw a, vw b) {
+#if defined(__aarch64__)
+    return (vw)vmaxq_u16((uint16x8_t)a, (uint16x8_t)b);
+#elif COLLAGE_VECTOR_BYTES == 32
+    return (vw)_mm256_max_epu16((__m256i)a, (__m256i)b);
+#else
+    return (vw)_mm_max_epu16((__m128i)a, (__m128i)b);
+#endif
+}
+
+static inline __attribute__((always_inline)) vu v_max32(vu a, vu b) {
+#if defined(__aarch64__)
+    return (vu)vmaxq_u32((uint32x4_t)a, (uint32x4_t)b);
+#elif COLLAGE_VECTOR_BYTES == 32
+    return (vu)_mm256_max_epu32((__m256i)a, (__m256i)b);
+#else
+    return (vu)_mm_max_epu32((__m128i)a, (__m128i)b);
+#endif
+}
+
 /* 1 if any lane of the comparison result ``m`` (all ones or zero per lane) is set */
 static inline __attribute__((always_inline)) int v_any(vi m) {
 #if defined(__aarch64__)

@@ -23,6 +23,8 @@
 #include "rounding_vector.h"
 #include "simd.h"
 
+/* LEAN: 1 in a lean block (see lean_block), 0 in the exact code */
+
 /* the step's coefficients as vectors (filled once per row by vector_range) */
 typedef struct {
     vf lerp, beta2, omb2, bc2s, rbc2s, eps, neg_step, decay, lr_wd, scale;
@@ -39,28 +41,36 @@ typedef struct {
     int64_t index, key0, key1;
 } grow_t;
 
+#include "lean_vector.h" /* (reads grow_t) */
+
 /* ------------------------------------------------------------------------------------ */
 /* the step of one vector                                                                 */
 /* ------------------------------------------------------------------------------------ */
 
 /* root / bc2s correctly rounded without the divider: rounding.h's v_over_bc2s (the proof
  * and its tests are there), lane by lane */
-static inline __attribute__((always_inline)) vf g_over_bc2s(const gcoeffs *c, vf root) {
+static inline __attribute__((always_inline)) vf g_over_bc2s(const int LEAN, const gcoeffs *c,
+                                                           vf root) {
     vf q = root * c->rbc2s;
     vf corrected = v_fma(-v_fma(q, c->bc2s, -root), c->rbc2s, q);
+    if (LEAN) return corrected; /* root finite: see lean_block */
     return v_select((vi)(root < __builtin_inff()), corrected, root);
 }
 
 /* The AdamW step from the gradient ``g``: ``m`` and ``v`` updated, the update u returned
  * (step.h's formulas, in its order) */
-static inline __attribute__((always_inline)) vf g_adam(const int SCALED, const int BC1,
-                                                      const gcoeffs *c, vf g, vf *m, vf *v) {
+static inline __attribute__((always_inline)) vf g_adam(const int LEAN, const int SCALED,
+                                                      const int BC1, const gcoeffs *c, vf g,
+                                                      vf *m, vf *v) {
     if (SCALED) g = g / c->scale;
     g = f_bits(u_bits(g) ^ c->sign);
-    *m = v_fma(c->lerp, g - *m, v_select(c->small, *m, g));
+    /* the lerp's base, m or g by a mask that is the same on every lane: a blend, or in
+     * LEAN blocks (a lerp weight below 0.5: lean_call) m itself */
+    vf base = LEAN ? *m : v_select(c->small, *m, g);
+    *m = v_fma(c->lerp, g - *m, base);
     *v = v_fma(g * c->omb2, g, *v * c->beta2);
     vf root = v_sqrt(*v);
-    if (!BC1) root = g_over_bc2s(c, root); /* x / 1 == x: see step_avx512.h's v_adam */
+    if (!BC1) root = g_over_bc2s(LEAN, c, root); /* x / 1 == x: see step_avx512.h's v_adam */
     return (*m * c->neg_step) / (root + c->eps);
 }
 
@@ -84,16 +94,19 @@ typedef struct {
 /* The landing of the new weight into the strategy's components and the states' stores
  * (step.h's scalar_element, case by case; stochastic's rounding is pair_block's). W: the
  * float32 weight the step reads; X: kahan's compensation, light's and plus's lo. */
-static inline __attribute__((always_inline)) void g_land(const int S, const gcoeffs *c,
-                                                         vf m, vf v, vf u, vf W, vf X,
-                                                         gout *o) {
+/* bf_round, or in LEAN blocks (no lane NaN) its integer form alone */
+#define G_ROUND(x) (LEAN ? g_round_number(x) : g_round(x))
+
+static inline __attribute__((always_inline)) void g_land(const int LEAN, const int S,
+                                                         const gcoeffs *c, vf m, vf v, vf u,
+                                                         vf W, vf X, gout *o) {
     switch (S) {
     case S_FP32: o->w32 = g_decayed(S, c, W) + u; break;
     case S_MIXED:
         o->w32 = g_decayed(S, c, W) + u;
         o->w = g_round(o->w32);
         break;
-    case S_BF16: o->w = g_round(g_decayed(S, c, W) + u); break;
+    case S_BF16: o->w = G_ROUND(g_decayed(S, c, W) + u); break;
     case S_STOCHASTIC: /* rounded by pair_block, both halves at once (g_stochastic2) */
         o->w32 = g_decayed(S, c, W) + u;
         break;
@@ -101,16 +114,17 @@ static inline __attribute__((always_inline)) void g_land(const int S, const gcoe
         /* (-W) * lr_wd, or +0 without decay (the foreach path adds u to zeros) */
         vf base = f_bits(u_bits(-W * c->lr_wd) & (vu)c->decays);
         vf corrected = (base + u) + X;
-        o->w = g_round(W + corrected);
+        o->w = G_ROUND(W + corrected);
         /* what the rounded add failed to land: exact (Sterbenz), +0 where hi is inf/nan */
         vf hf = f_bits(o->w);
         /* not NaN where hf is finite (then W and corrected are finite) */
-        o->x = g_round_number(corrected - (hf - W)) & ~g_special(hf);
+        o->x = g_round_number(corrected - (hf - W));
+        if (!LEAN) o->x &= ~g_special(hf);
         g_normalize_kahan(&o->w, &o->x);
         break;
     }
     case S_LIGHT:
-    case S_PLUS: g_residual_pair(g_decayed(S, c, W) + u, &o->w, &o->x); break;
+    case S_PLUS: g_residual_pair(LEAN, g_decayed(S, c, W) + u, &o->w, &o->x); break;
     case S_SPLIT:
         o->w32 = g_decayed(S, c, W) + u;
         g_split_encode(o->w32, &o->w, &o->x);
@@ -120,9 +134,9 @@ static inline __attribute__((always_inline)) void g_land(const int S, const gcoe
         o->m32 = m;
         o->v32 = v;
     } else {
-        o->m = g_round(m);
-        if (S == S_PLUS || S == S_SPLIT) g_residual_pair(v, &o->v, &o->vlo);
-        else o->v = g_round(v);
+        o->m = G_ROUND(m);
+        if (S == S_PLUS || S == S_SPLIT) g_residual_pair(LEAN, v, &o->v, &o->vlo);
+        else o->v = G_ROUND(v);
     }
 }
 
@@ -198,12 +212,12 @@ static inline __attribute__((always_inline)) void plain_block(
     const grow_t *r, int64_t i, gacc *a) {
     vf g = G32 ? v_load_f32(r->g, i) : v_load_bf(r->g, i);
     vf m = v_load_f32(r->m, i), v = v_load_f32(r->v, i);
-    vf u = g_adam(SCALED, 0, c, g, &m, &v);
+    vf u = g_adam(0, SCALED, 0, c, g, &m, &v);
     /* fp32: the weight; mixed: the float32 master (V: the bf16 weight, measured) */
     vf W = v_load_f32(S == S_FP32 ? r->w : r->x, i);
     vf V = S == S_MIXED && MEAS ? v_load_bf(r->w, i) : v_splat(0.0f);
     gout o;
-    g_land(S, c, m, v, u, W, v_splat(0.0f), &o);
+    g_land(0, S, c, m, v, u, W, v_splat(0.0f), &o);
     if (MEAS) {
         vf zero = v_splat(0.0f);
         g_measure(S, c, u, W, V, zero, o.w32, S == S_MIXED ? f_bits(o.w) : zero, zero, a);
@@ -249,10 +263,10 @@ typedef struct {
 
 /* One half (even or odd elements) of a pair block: the step and the landing */
 static inline __attribute__((always_inline)) gbefore pair_half(
-    const int S, const int SCALED, const int BC1, const gcoeffs *c, vf g, vf m, vf v,
-    vf Wv, vf Xv, gout *o) {
+    const int LEAN, const int S, const int SCALED, const int BC1, const gcoeffs *c, vf g,
+    vf m, vf v, vf Wv, vf Xv, gout *o) {
     vf zero = v_splat(0.0f);
-    gbefore b = {g_adam(SCALED, BC1, c, g, &m, &v), Wv, zero, zero};
+    gbefore b = {g_adam(LEAN, SCALED, BC1, c, g, &m, &v), Wv, zero, zero};
     switch (S) {
     case S_KAHAN: b.X = Xv; break;
     case S_LIGHT:
@@ -267,7 +281,7 @@ static inline __attribute__((always_inline)) gbefore pair_half(
         break;
     default: break;
     }
-    g_land(S, c, m, v, b.u, b.W, b.X, o);
+    g_land(LEAN, S, c, m, v, b.u, b.W, b.X, o);
     return b;
 }
 
@@ -282,8 +296,8 @@ static inline __attribute__((always_inline)) void pair_measure(const int S, cons
 /* 2 VL elements from ``i`` of a strategy with bf16 weights and states (the gradient bf16,
  * or float32 with G32), as their even and odd halves */
 static inline __attribute__((always_inline)) void pair_block(
-    const int S, const int G32, const int SCALED, const int BC1, const int MEAS,
-    const gcoeffs *c, const grow_t *r, int64_t i, gacc *a) {
+    const int LEAN, const int S, const int G32, const int SCALED, const int BC1,
+    const int MEAS, const gcoeffs *c, const grow_t *r, int64_t i, gacc *a) {
     vpair g = G32 ? v_load_pair_f32(r->g, i) : v_load_pair(r->g, i);
     vpair m = v_load_pair(r->m, i), v = v_load_pair(r->v, i);
     if (S == S_PLUS || S == S_SPLIT) {
@@ -297,8 +311,8 @@ static inline __attribute__((always_inline)) void pair_block(
     gout e, o;
     vu ze, zo;
     if (S == S_STOCHASTIC) g_hash_block(c, (uint32_t)(r->index + i), r, &ze, &zo);
-    gbefore be = pair_half(S, SCALED, BC1, c, g.e, m.e, v.e, w.e, x.e, &e);
-    gbefore bo = pair_half(S, SCALED, BC1, c, g.o, m.o, v.o, w.o, x.o, &o);
+    gbefore be = pair_half(LEAN, S, SCALED, BC1, c, g.e, m.e, v.e, w.e, x.e, &e);
+    gbefore bo = pair_half(LEAN, S, SCALED, BC1, c, g.o, m.o, v.o, w.o, x.o, &o);
     vu words;
     if (S == S_STOCHASTIC) {
         vpair nw = {e.w32, o.w32};
@@ -349,13 +363,44 @@ static inline __attribute__((always_inline)) void g_row_prefetch(const int S, co
     else if (S != S_FP32 && S != S_BF16 && S != S_STOCHASTIC) g_prefetch(r->x, i, 2);
 }
 
+/* The unmeasured pair blocks of [i, end), in chunks of LEAN_CHUNK blocks: where ``lean``
+ * (lean_call) a chunk whose every block passes lean_block (read first, in one pass: the
+ * chunk's loop then has no branch) is stepped LEAN, and every other chunk by the exact
+ * code; returns where the blocks stop */
+#define LEAN_CHUNK 16
+
+static inline __attribute__((always_inline)) int64_t pair_loop(
+    const int S, const int G32, const int SCALED, const int BC1, const gcoeffs *c,
+    const grow_t *r, int lean, int64_t i, int64_t end) {
+    const int64_t step = 2 * VL;
+    while (i + step <= end) {
+        int64_t blocks = (end - i) / step;
+        if (blocks > LEAN_CHUNK) blocks = LEAN_CHUNK;
+        int chunk_lean = lean && !SCALED;
+        for (int64_t k = 0; chunk_lean && k < blocks; k++)
+            chunk_lean = lean_block(S, G32, r, i + k * step);
+        if (!SCALED && chunk_lean) {
+            for (int64_t k = 0; k < blocks; k++, i += step) {
+                g_row_prefetch(S, G32, r, i);
+                pair_block(1, S, G32, SCALED, BC1, 0, c, r, i, NULL);
+            }
+        } else {
+            for (int64_t k = 0; k < blocks; k++, i += step) {
+                g_row_prefetch(S, G32, r, i);
+                pair_block(0, S, G32, SCALED, BC1, 0, c, r, i, NULL);
+            }
+        }
+    }
+    return i;
+}
+
 /* one block of either layout at ``i`` (ELEMS elements) */
 #define G_PAIRED(S) ((S) != S_FP32 && (S) != S_MIXED)
 
 static inline __attribute__((always_inline)) void g_block(
     const int S, const int G32, const int SCALED, const int BC1, const int MEAS,
     const gcoeffs *c, const grow_t *r, int64_t i, gacc *a) {
-    if (G_PAIRED(S)) pair_block(S, G32, SCALED, BC1, MEAS, c, r, i, a);
+    if (G_PAIRED(S)) pair_block(0, S, G32, SCALED, BC1, MEAS, c, r, i, a);
     else plain_block(S, G32, SCALED, MEAS, c, r, i, a);
 }
 
@@ -368,6 +413,8 @@ static inline __attribute__((always_inline)) void g_loop(
     int64_t begin, int64_t end, double *out) {
     const int64_t step = G_PAIRED(S) ? 2 * VL : VL;
     int64_t i = begin;
+    if (!MEAS && G_PAIRED(S))
+        i = pair_loop(S, G32, SCALED, BC1, c, r, lean_call(flags, h), i, end);
     if (!MEAS) {
         for (; i + step <= end; i += step) {
             g_row_prefetch(S, G32, r, i);
@@ -395,6 +442,65 @@ static inline __attribute__((always_inline)) void g_loop(
     write_sums(S, &t, end - begin, out);
 }
 
+/* The unmeasured loops of the paired strategies, each variant (strategy, gradient width,
+ * scaling, bias correction) a function of its own: inlined into one function per entry
+ * point, with their lean and exact blocks, they made that function so large that the
+ * compiler's time grew fourfold; apart, each compiles on its own. */
+#define PAIRED_VARIANT(S, G32, SCALED, BC1)                                                \
+    static __attribute__((noinline)) void paired_##S##_##G32##_##SCALED##_##BC1(           \
+        const gcoeffs *c, const grow_t *r, int flags, const float *h, const int64_t *row, \
+        int64_t begin, int64_t end) {                                                     \
+        g_loop(S, G32, SCALED, BC1, 0, c, r, flags, h, row, begin, end, NULL);            \
+    }
+#define PAIRED_VARIANTS(S)                                                                \
+    PAIRED_VARIANT(S, 0, 0, 0)                                                            \
+    PAIRED_VARIANT(S, 0, 0, 1)                                                            \
+    PAIRED_VARIANT(S, 0, 1, 0)                                                            \
+    PAIRED_VARIANT(S, 0, 1, 1)                                                            \
+    PAIRED_VARIANT(S, 1, 0, 0)                                                            \
+    PAIRED_VARIANT(S, 1, 0, 1)                                                            \
+    PAIRED_VARIANT(S, 1, 1, 0)                                                            \
+    PAIRED_VARIANT(S, 1, 1, 1)
+PAIRED_VARIANTS(S_BF16)
+PAIRED_VARIANTS(S_KAHAN)
+PAIRED_VARIANTS(S_STOCHASTIC)
+PAIRED_VARIANTS(S_LIGHT)
+PAIRED_VARIANTS(S_PLUS)
+PAIRED_VARIANTS(S_SPLIT)
+#undef PAIRED_VARIANTS
+#undef PAIRED_VARIANT
+
+/* the variant of S (a constant where inlined) and G32 for the runtime scaling and bias
+ * correction */
+#define PAIRED_CALL(S, G32)                                                               \
+    do {                                                                                  \
+        if (scaled && bc1) paired_##S##_##G32##_1_1(c, r, flags, h, row, begin, end);     \
+        else if (scaled) paired_##S##_##G32##_1_0(c, r, flags, h, row, begin, end);       \
+        else if (bc1) paired_##S##_##G32##_0_1(c, r, flags, h, row, begin, end);          \
+        else paired_##S##_##G32##_0_0(c, r, flags, h, row, begin, end);                   \
+    } while (0)
+#define PAIRED_CASE(S)                                                                    \
+    case S:                                                                               \
+        if (G32) PAIRED_CALL(S, 1);                                                       \
+        else PAIRED_CALL(S, 0);                                                           \
+        break;
+
+static inline __attribute__((always_inline)) void paired_loop(
+    const int S, const int G32, int scaled, int bc1, const gcoeffs *c, const grow_t *r,
+    int flags, const float *h, const int64_t *row, int64_t begin, int64_t end) {
+    switch (S) {
+        PAIRED_CASE(S_BF16)
+        PAIRED_CASE(S_KAHAN)
+        PAIRED_CASE(S_STOCHASTIC)
+        PAIRED_CASE(S_LIGHT)
+        PAIRED_CASE(S_PLUS)
+        PAIRED_CASE(S_SPLIT)
+    default: break;
+    }
+}
+#undef PAIRED_CASE
+#undef PAIRED_CALL
+
 static inline __attribute__((always_inline)) void vector_range(
     const int S, const int G32, const int MEAS, int flags, const float *h,
     const int64_t *row, int64_t begin, int64_t end, double *out) {
@@ -421,9 +527,9 @@ static inline __attribute__((always_inline)) void vector_range(
                 (void *)row[T_VLO], (void *)row[T_X], row[T_INDEX], row[T_KEY0], row[T_KEY1]};
     /* without the division by the bias correction only where it is taken (unmeasured
      * steps of the paired strategies): other instantiations would only add build time */
-    if (!MEAS && G_PAIRED(S) && h[H_BC2S] == 1.0f) {
-        if (flags & F_SCALED) g_loop(S, G32, 1, 1, 0, &c, &r, flags, h, row, begin, end, out);
-        else g_loop(S, G32, 0, 1, 0, &c, &r, flags, h, row, begin, end, out);
+    if (!MEAS && G_PAIRED(S)) {
+        int bc1 = h[H_BC2S] == 1.0f, scaled = (flags & F_SCALED) != 0;
+        paired_loop(S, G32, scaled, bc1, &c, &r, flags, h, row, begin, end);
     } else if (flags & F_SCALED) {
         g_loop(S, G32, 1, 0, MEAS, &c, &r, flags, h, row, begin, end, out);
     } else {

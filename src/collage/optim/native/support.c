@@ -89,7 +89,7 @@ int collage_probe_over_bc2s(const float *x, int64_t n, float b, float *out) {
     c.bc2s = v_splat(b);
     c.rbc2s = v_splat(1.0f / b);
     int64_t j = 0;
-    for (; j + VL <= n; j += VL) v_store_f32(out, j, g_over_bc2s(&c, v_load_f32(x, j)));
+    for (; j + VL <= n; j += VL) v_store_f32(out, j, g_over_bc2s(0, &c, v_load_f32(x, j)));
     for (; j < n; j++) out[j] = x[j] / b;
     return 0;
 #else
@@ -134,14 +134,14 @@ int collage_residual_pairs(const float *x, int64_t n, uint16_t *hi, uint16_t *lo
     for (; pairs && j + 2 * VL <= n; j += 2 * VL) {
         vpair v = v_load_pair_f32(x, j);
         vu he, le, ho, lo_;
-        g_residual_pair(v.e, &he, &le);
-        g_residual_pair(v.o, &ho, &lo_);
+        g_residual_pair(0, v.e, &he, &le);
+        g_residual_pair(0, v.o, &ho, &lo_);
         v_store_words(hi, j, v_pack(he, ho));
         v_store_words(lo, j, v_pack(le, lo_));
     }
     for (; j + VL <= n; j += VL) {
         vu h, l;
-        g_residual_pair(v_load_f32(x, j), &h, &l);
+        g_residual_pair(0, v_load_f32(x, j), &h, &l);
         v_store_bf(hi, j, h);
         v_store_bf(lo, j, l);
     }
