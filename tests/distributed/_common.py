@@ -32,6 +32,11 @@ DATA_SEED = 99
 
 LOW_PRECISION = ("mixed", "bf16", "kahan", "stochastic", "light", "plus", "split")
 ALL_STRATEGIES = ("fp32", *LOW_PRECISION)
+#: the autopilot (``strategy="auto"``) as the data-parallel tests run it: measured every
+#: other step, a threshold low enough that these 10 steps promote tensors at several steps
+#: (each rank must decide the same: DDP from the same sums, FSDP2 from reduced ones)
+AUTO = "auto"
+AUTO_POLICY = collage.Autopilot(every=2, threshold=0.02)
 
 
 def deterministic() -> None:
@@ -97,6 +102,8 @@ def build_model(strategy: str, seed: int = MODEL_SEED) -> TinyGPT:
 
 def make_optimizer(params, strategy: str, **kwargs) -> collage.AdamW:
     kwargs.setdefault("track_updates", True)
+    if strategy == AUTO:
+        kwargs.setdefault("autopilot", AUTO_POLICY)
     return collage.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                          strategy=strategy, **kwargs)
 
@@ -284,7 +291,7 @@ def divergence_bound(strategy: str, steps: int, max_abs_weight: float,
     in the last place (stochastic rounding, MCF/Kahan visible weight); 10% slack covers the
     bf16 arithmetic of the moments."""
     ulp = 0.0 if strategy == "fp32" else max_abs_weight * 2.0**-7
-    landing = 2.0 if strategy in ("bf16", "kahan") else 1.0
+    landing = 2.0 if strategy in ("bf16", "kahan", AUTO) else 1.0  # (auto: a bf16 rung)
     per_run = 0.0
     for t in range(1, steps + 1):
         per_run += landing * lr * (1.1 * adam_step_bound(t, betas) + weight_decay
@@ -330,8 +337,8 @@ def state_layout_problems(model: nn.Module, optimizer, strategy: str) -> list[st
     DTensor with the weight's mesh, placements and local shape; ``step`` is a plain 0-d
     float32 tensor."""
     bad = []
-    want = EXPECTED_STATE[strategy]
     for name, param in model.named_parameters():
+        want = EXPECTED_STATE[optimizer.strategy_of(param) if strategy == AUTO else strategy]
         state = optimizer.state.get(param, {})
         if set(state) != {"step", *want}:
             bad.append(f"{name}: state keys {sorted(state)}")

@@ -270,7 +270,7 @@ def parse_case(text: str) -> tuple[str, list[str]]:
         raise SystemExit(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
     names = strategies.split(",") if strategies else list(C.ALL_STRATEGIES)
     for name in names:
-        if name not in C.ALL_STRATEGIES:
+        if name not in (*C.ALL_STRATEGIES, C.AUTO):
             raise SystemExit(f"unknown strategy {name!r}")
     return task, names
 

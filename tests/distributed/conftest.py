@@ -14,9 +14,9 @@ from ._launch import launch
 
 #: (task, strategy) pairs of the default run; everything else is marked slow.
 QUICK_DP = {("ddp", "plus"), ("fsdp", "mixed"), ("fsdp", "plus"), ("fsdp", "split"),
-            ("fsdp", "stochastic")}
+            ("fsdp", "stochastic"), ("ddp", C.AUTO), ("fsdp", C.AUTO)}
 QUICK_DCP = ("split", "stochastic")
-ALL_DP = [(task, s) for task in ("ddp", "fsdp") for s in C.ALL_STRATEGIES]
+ALL_DP = [(task, s) for task in ("ddp", "fsdp") for s in (*C.ALL_STRATEGIES, C.AUTO)]
 
 
 def _world2_cases(dp, dcp) -> list[str]:

@@ -12,6 +12,11 @@ half of every batch, then compares (``docs/distributed.md`` explains the claims)
 * ``track_updates`` metrics: equal to the single-process ones (float64 sums, 1e-9);
 * under FSDP2 every state tensor is a DTensor sharded like its weight, and
   ``collage.consolidate`` gathers whole float32 tensors equal to the single-process ones.
+* ``strategy="auto"`` (the autopilot, ``docs/autopilot.md``; its policy in
+  ``_common.AUTO_POLICY`` promotes 17 of the 18 tensors at steps 0 to 8 here,
+  one on to ``plus``): every rank
+  makes the single process's promotions, bit for bit (DDP decides from the same sums on
+  every rank, FSDP2 from sums reduced over the shards first).
 
 The launches are shared (``conftest.py``): quick cases in the default run, the rest with
 ``-m slow``.

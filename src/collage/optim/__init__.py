@@ -7,13 +7,16 @@ and ``dispatch`` (which path runs it: ``eager``, ``compiled``, ``native``); ``fu
 """
 
 from . import functional
+from .autopilot import AUTO, Autopilot
 from .base import NONFINITE_POLICIES, CollageOptimizer
 from .export import consolidate, load_full_precision
 from .optimizers import SGD, AdamW, Lion
 from .strategies import STRATEGIES, Strategy, get_strategy
 
 __all__ = [
+    "AUTO",
     "AdamW",
+    "Autopilot",
     "CollageOptimizer",
     "Lion",
     "NONFINITE_POLICIES",

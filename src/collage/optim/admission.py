@@ -26,6 +26,7 @@ import torch
 from torch.optim.optimizer import required
 
 from . import convert
+from .autopilot import AUTO
 from .edits import hides_weight, rederive
 from .hooks import take_over
 from .nonfinite import NONFINITE_POLICIES
@@ -125,22 +126,32 @@ def check_params_argument(params) -> None:
 
 def validate_group(optimizer, group: dict, index: int) -> None:
     validate_settings(optimizer, group)
-    strategy = get_strategy(group["strategy"])
-    for name, param in zip(param_names(group, index), group["params"]):
+    names = param_names(group, index)
+    for name, param in zip(names, group["params"]):
         _check_parameter(name, param, differentiable=group.get("differentiable", False))
         if param.is_complex():
             raise TypeError(f"parameter {name!r} is complex; collage optimizers support "
                             "real floating-point parameters only (use torch.view_as_real)")
+    if group["strategy"] == AUTO:  # every rung of the ladder takes every weight
+        optimizer._pilot.check_weights(names, group["params"])
+        return
+    strategy = get_strategy(group["strategy"])
+    for name, param in zip(names, group["params"]):
         check_weight(strategy, param, name)
 
 
 def validate_settings(optimizer, group: dict) -> None:
     """Check a group's (or the defaults') hyperparameters and flags; reads no
-    parameter."""
-    strategy = get_strategy(group["strategy"])
-    strategy.check_rule(optimizer.rule)
-    optimizer.rule.validate(group)
-    strategy.check_group(optimizer.rule, group)
+    parameter. ``strategy="auto"``: every rung of the autopilot's ladder (checked for the
+    rule when the optimizer was made)."""
+    if group["strategy"] == AUTO:
+        optimizer.rule.validate(group)
+        optimizer._pilot.check_group(optimizer, group)
+    else:
+        strategy = get_strategy(group["strategy"])
+        strategy.check_rule(optimizer.rule)
+        optimizer.rule.validate(group)
+        strategy.check_group(optimizer.rule, group)
     if group["foreach"] not in (None, True, False):
         raise TypeError(f"foreach must be None, True or False, got {group['foreach']!r}")
     if group["fused"] not in (None, True, False, "triton"):
@@ -305,29 +316,44 @@ def convert_strategies(optimizer) -> None:
     made (``convert.py``). Every conversion is checked before any is made, so one that
     cannot be made changes nothing. After :func:`check_membership`."""
     rule, state, books = optimizer.rule, optimizer.state, optimizer._books
+    positions, pilot = optimizer._positions, optimizer._pilot
     pending = []
     for index, group in enumerate(optimizer.param_groups):
         old = books[id(group)].strategy
         if old != group["strategy"]:
             validate_group(optimizer, group, index)
-            pending.append((index, group, get_strategy(old),
-                            get_strategy(group["strategy"])))
-    for index, group, old, new in pending:
+            pending.append((index, group, old))
+    conversions = []
+    for index, group, old_name in pending:
+        if group["strategy"] == AUTO and old_name not in pilot.names:
+            raise ValueError(f"param group {index} cannot move from strategy {old_name!r} "
+                             f"to 'auto': its ladder is {pilot.names}; set 'auto' when "
+                             "the optimizer is made, or move from a strategy of the ladder")
         for name, param, param_state in states_of(optimizer, group, index):
+            # a tensor's strategy before and after: leaving 'auto', its rung; entering
+            # it (from a rung), that rung, kept
+            old = get_strategy(pilot.strategy_at(old_name, positions[id(param)]))
+            new = get_strategy(old.name if group["strategy"] == AUTO else group["strategy"])
             mismatch = old.state_mismatch(rule, param, param_state)
             if mismatch is not None:
                 raise ValueError(f"cannot convert the state of parameter {name!r} from "
                                  f"strategy {old.name!r} to {new.name!r}: {mismatch}")
-    positions, writes = optimizer._positions, optimizer._writes
-    for index, group, old, new in pending:
-        for _, param, param_state in states_of(optimizer, group, index):
-            if hides_weight(old) and writes.edited(param):  # from the edit
-                rederive(old, param, param_state)
+            conversions.append((param, param_state, old, new))
+    writes = optimizer._writes
+    for param, param_state, old, new in conversions:
+        if hides_weight(old) and writes.edited(param):  # from the edit
+            rederive(old, param, param_state)
+        if new is not old:
             state[param] = convert.convert(rule, old, new, param, param_state,
                                            optimizer.seed, positions[id(param)])
             writes.note((param,))
+    for index, group, _ in pending:
+        pilot.install({positions[id(param)]: (
+            pilot.strategy_at(books[id(group)].strategy, positions[id(param)])
+            if group["strategy"] == AUTO else pilot.names[0])
+            for param in group["params"]})
         book = books[id(group)]
-        book.strategy, book.cache = new.name, {}
+        book.strategy, book.cache = group["strategy"], {}
 
 
 def states_of(optimizer, group: dict, index: int) -> list[tuple[str, torch.Tensor, dict]]:

@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 
 from . import admission, backward, dispatch, nonfinite, state_io, stepping
 from .admission import GroupBook
+from .autopilot import Autopilot, Decision, Pilot
 from .edits import WriteLog
 from .nonfinite import NONFINITE_POLICIES, FiniteProof, settle_skips
 from .rules import Rule
@@ -57,8 +58,11 @@ class CollageOptimizer(Optimizer):
         seed: int,
         step_in_backward: bool = False,
         grad_accumulation: str = "plain",
+        autopilot: Autopilot | None = None,
     ) -> None:
         backward.check_keywords(step_in_backward, grad_accumulation)
+        #: the autopilot of strategy="auto" groups (autopilot.py): each tensor's rung
+        self._pilot = Pilot(Autopilot() if autopilot is None else autopilot, self.rule)
         self.track_updates = admission.check_arguments(nonfinite, track_updates, seed)
         self.nonfinite = nonfinite
         self.seed = seed
@@ -92,6 +96,22 @@ class CollageOptimizer(Optimizer):
         admission.check_params_argument(params)
         super().__init__(params, defaults)
 
+    def strategy_of(self, param: torch.Tensor) -> str:
+        """The strategy ``param`` is stepped with now: its group's, or under ``"auto"``
+        its current rung of the autopilot's ladder (``docs/autopilot.md``)."""
+        admission.check_membership(self)
+        for group in self.param_groups:
+            if any(p is param for p in group["params"]):
+                return self._pilot.strategy_at(group["strategy"],
+                                               self._positions[id(param)])
+        raise ValueError("param is not a parameter of this optimizer")
+
+    @property
+    def autopilot_decisions(self) -> list[Decision]:
+        """The autopilot's promotions (``autopilot.Decision``: step, tensor, from, to,
+        the lost fraction that decided), oldest first; a new list."""
+        return list(self._pilot.decisions)
+
     @property
     def last_paths(self) -> dict[int, str]:
         """The path (``dispatch.PATHS``) that stepped each group last, by the group's index
@@ -123,7 +143,7 @@ class CollageOptimizer(Optimizer):
         Its phases, in order, each in the module of its concern (``docs/design.md``). Where
         a step is refused (changing nothing): ``stepping.step_planned`` and
         ``nonfinite.gradients_usable``; where the updates land: ``stepping.land``
-        (``dispatch.run``); where a backward hook steps: ``backward.step_one``."""
+        (``dispatch.run``); where the step in backward steps: ``backward.flush``."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -261,6 +281,7 @@ class CollageOptimizer(Optimizer):
             "skipped_steps": self.skipped_steps,
             "steps_taken": self._steps_taken,
             "seed": self.seed,  # keys the counter-based stochastic-rounding draws
+            "autopilot": [list(d) for d in self._pilot.decisions],  # (rungs: the layouts)
         }
         return sd
 

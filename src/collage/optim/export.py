@@ -50,7 +50,8 @@ def consolidate(model: torch.nn.Module, optimizer: CollageOptimizer) -> dict[str
                 value = value.full_tensor()
             out[key] = value.float() if value.is_floating_point() else value.clone()
             continue
-        strategy = get_strategy(group["strategy"])
+        strategy = get_strategy(optimizer._pilot.strategy_at(
+            group["strategy"], optimizer._positions[id(tensor)]))
         state = {k: _local(v) for k, v in optimizer.state.get(tensor, {}).items()}
         exact = kernels.represented_value(strategy, _local(tensor.detach()), state)
         out[key] = _rewrap(mcf.round_to(exact, torch.float32), tensor)
@@ -82,7 +83,8 @@ def load_full_precision(model: torch.nn.Module, optimizer: CollageOptimizer,
         if group is None:
             param.copy_(value)
             continue
-        strategy = get_strategy(group["strategy"])
+        strategy = get_strategy(optimizer._pilot.strategy_at(
+            group["strategy"], optimizer._positions[id(param)]))
         state = optimizer.state[param]
         if not state:
             strategy.init_state(optimizer.rule, param, state)

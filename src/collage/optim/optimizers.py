@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from .autopilot import Autopilot
 from .base import CollageOptimizer
 from .rules import ADAMW, LION, SGD as SGD_RULE
 from .strategies import DEFAULT_STRATEGY
@@ -14,7 +15,11 @@ _SHARED_DOC = """
     strategy: how weights and states are stored and how updates land: one of ``fp32``,
         ``mixed``, ``bf16``, ``kahan``, ``stochastic``, ``light``, ``plus``, ``split``
         (``docs/strategies.md``), and for AdamW ``plus8`` (8-bit moments,
-        ``docs/eight_bit.md``). Also a per-param-group key. Default ``"plus"``.
+        ``docs/eight_bit.md``); or ``"auto"``: each tensor at the cheapest rung of a
+        ladder its measured lost updates allow (``docs/autopilot.md``). Also a
+        per-param-group key. Default ``"plus"``.
+    autopilot: the policy of ``"auto"`` groups, a ``collage.Autopilot(ladder=None,
+        threshold=0.5, every=50, sinks=())``; None: the default policy.
     foreach, fused, reference: the implementation (``docs/design.md``), with torch.optim's
         meaning: ``fused=True`` runs the float32 kernel compiled (on CPU, AdamW groups with
         bf16 weights, or fp32 for ``fp32``, run native C kernels built on first use; the
@@ -93,6 +98,7 @@ class AdamW(CollageOptimizer):
         seed: int = 0,
         step_in_backward: bool = False,
         grad_accumulation: str = "plain",
+        autopilot: Autopilot | None = None,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
                         eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -101,7 +107,7 @@ class AdamW(CollageOptimizer):
         super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
                          reference=reference, track_updates=track_updates,
                          nonfinite=nonfinite, seed=seed, step_in_backward=step_in_backward,
-                         grad_accumulation=grad_accumulation)
+                         grad_accumulation=grad_accumulation, autopilot=autopilot)
 
 
 class SGD(CollageOptimizer):
@@ -137,6 +143,7 @@ class SGD(CollageOptimizer):
         seed: int = 0,
         step_in_backward: bool = False,
         grad_accumulation: str = "plain",
+        autopilot: Autopilot | None = None,
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
@@ -144,7 +151,7 @@ class SGD(CollageOptimizer):
         super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
                          reference=reference, track_updates=track_updates,
                          nonfinite=nonfinite, seed=seed, step_in_backward=step_in_backward,
-                         grad_accumulation=grad_accumulation)
+                         grad_accumulation=grad_accumulation, autopilot=autopilot)
 
 
 class Lion(CollageOptimizer):
@@ -176,6 +183,7 @@ class Lion(CollageOptimizer):
         seed: int = 0,
         step_in_backward: bool = False,
         grad_accumulation: str = "plain",
+        autopilot: Autopilot | None = None,
     ) -> None:
         # differentiable=False as torch.optim's every optimizer has it (its __setstate__
         # adds it otherwise, so a copy's defaults would differ from the original's)
@@ -185,5 +193,5 @@ class Lion(CollageOptimizer):
         super().__init__(params, defaults, strategy=strategy, foreach=foreach, fused=fused,
                          reference=reference, track_updates=track_updates,
                          nonfinite=nonfinite, seed=seed, step_in_backward=step_in_backward,
-                         grad_accumulation=grad_accumulation)
+                         grad_accumulation=grad_accumulation, autopilot=autopilot)
 

@@ -27,7 +27,8 @@ from . import backward, convert
 from .admission import param_names, validate_group
 from .edits import WriteLog
 from .nonfinite import settle_skips
-from .strategies import get_strategy
+from .autopilot import AUTO, Autopilot, Decision, Pilot
+from .strategies import Strategy, get_strategy
 
 __all__ = ["load"]
 
@@ -49,14 +50,21 @@ def load(optimizer, state_dict: dict[str, Any]) -> None:
         validate_group(optimizer, {**group, "params": optimizer.param_groups[index]["params"]},
                        index)
     plan = list(_pairs(optimizer, state_dict, merged, saved_groups))
-    for name, param, group, saved_state, from_torch in plan:
-        _check_state(optimizer, name, param, group, saved_state, from_torch)
+    # each parameter's strategy: its group's, or under "auto" the rung whose layout its
+    # saved state has (autopilot.py)
+    chosen = [_strategy_to_load(optimizer, name, param, group, saved_state, from_torch)
+              for name, param, group, saved_state, from_torch in plan]
+    for (name, param, group, saved_state, from_torch), strategy in zip(plan, chosen):
+        _check_state(optimizer, name, param, strategy, saved_state, from_torch)
     extra = _checked_extra(state_dict.get("collage"))
     positions = optimizer._positions
-    states = {param: _restored(optimizer, param, group, saved_state, from_torch,
+    states = {param: _restored(optimizer, param, group, strategy, saved_state, from_torch,
                                optimizer.state.get(param, {}), positions[id(param)])
-              for name, param, group, saved_state, from_torch in plan
-              if saved_state is not None}
+              for (name, param, group, saved_state, from_torch), strategy
+              in zip(plan, chosen) if saved_state is not None}
+    rungs = {positions[id(param)]: strategy.name
+             for (_, param, group, _, _), strategy in zip(plan, chosen)
+             if group["strategy"] == AUTO}
     states.update(_unowned(state_dict["state"], saved_groups))
     groups = [_installed(group, current)
               for group, current in zip(merged, optimizer.param_groups)]
@@ -64,6 +72,7 @@ def load(optimizer, state_dict: dict[str, Any]) -> None:
     optimizer.param_groups = groups
     optimizer.state.clear()
     optimizer.state.update(states)
+    optimizer._pilot.install(rungs)
     _set_extra(optimizer, extra)
 
 
@@ -135,7 +144,22 @@ def _pairs(optimizer, state_dict: dict, merged: list[dict], saved_groups: list[d
             yield name, param, group, saved_state.get(saved_id), from_torch
 
 
-def _check_state(optimizer, name: str, param, group: dict, saved: dict | None,
+def _strategy_to_load(optimizer, name: str, param, group: dict, saved: dict | None,
+                      from_torch: bool) -> Strategy:
+    """The strategy a parameter's saved state is loaded as."""
+    if group["strategy"] != AUTO:
+        return get_strategy(group["strategy"])
+    if from_torch or not isinstance(saved, dict):
+        return optimizer._pilot.ladder[0]
+    try:
+        return optimizer._pilot.loaded_strategy(
+            optimizer.rule, param, _on({k: v for k, v in saved.items() if k != "step"},
+                                       param))
+    except ValueError as error:
+        raise ValueError(f"optimizer state of parameter {name!r}: {error}") from None
+
+
+def _check_state(optimizer, name: str, param, strategy: Strategy, saved: dict | None,
                  from_torch: bool) -> None:
     if saved is None:
         return
@@ -148,7 +172,6 @@ def _check_state(optimizer, name: str, param, group: dict, saved: dict | None,
     _check_step(name, saved.get("step"))
     if from_torch:
         return _check_torch_state(optimizer, name, param, saved)
-    strategy = get_strategy(group["strategy"])
     restored = {k: v for k, v in saved.items() if k != "step"}
     mismatch = strategy.state_mismatch(optimizer.rule, param, _on(restored, param))
     expected = {c.key for c in strategy.components(optimizer.rule, param.dtype)} - {"param"}
@@ -193,9 +216,8 @@ def _on(state: dict, param) -> dict:
             for k, v in state.items()}
 
 
-def _restored(optimizer, param, group: dict, saved: dict, from_torch: bool, current: dict,
-              position: int) -> dict:
-    strategy = get_strategy(group["strategy"])
+def _restored(optimizer, param, group: dict, strategy: Strategy, saved: dict,
+              from_torch: bool, current: dict, position: int) -> dict:
     if from_torch:  # torch.optim's: convert
         return convert.from_torch_state(optimizer.rule, strategy, param, saved, current,
                                         optimizer.seed, position)
@@ -221,6 +243,11 @@ def _checked_extra(extra) -> dict | None:
         value = extra.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"state_dict['collage'][{key!r}] must be an int, got {value!r}")
+    decisions = extra.get("autopilot", [])
+    if not isinstance(decisions, list) or not all(
+            isinstance(d, (list, tuple)) and len(d) == len(Decision._fields) for d in decisions):
+        raise ValueError("state_dict['collage']['autopilot'] must be a list of the "
+                         f"autopilot's decisions ({', '.join(Decision._fields)})")
     return extra
 
 
@@ -229,6 +256,7 @@ def _set_extra(optimizer, extra: dict | None) -> None:
         optimizer.skipped_steps = extra.get("skipped_steps", 0)
         optimizer._steps_taken = extra.get("steps_taken", 0)
         optimizer.seed = extra.get("seed", optimizer.seed)
+        optimizer._pilot.decisions = [Decision(*d) for d in extra.get("autopilot", ())]
         return
     # torch.distributed.checkpoint's get/set_state_dict keep only "state" and
     # "param_groups" (and step once with lr=0 to create the states before loading): the
@@ -244,7 +272,8 @@ def _set_extra(optimizer, extra: dict | None) -> None:
 #: pickle with the groups' books and the positions; the rest (the paths' caches, the
 #: clipping proof, warnings given) start afresh
 COPIED = ("nonfinite", "track_updates", "seed", "skipped_steps", "update_stats",
-          "_steps_taken", "_next_position", "step_in_backward", "grad_accumulation")
+          "_steps_taken", "_next_position", "step_in_backward", "grad_accumulation",
+          "_pilot")
 
 
 def pickled(optimizer, torch_part: dict[str, Any]) -> dict[str, Any]:
@@ -273,6 +302,8 @@ def unpickled_torch_part(state: dict[str, Any]) -> dict[str, Any]:
 
 def unpickle_ours(optimizer, state: dict[str, Any]) -> None:
     """``__setstate__``, after torch.optim's: the books, positions and hooks."""
+    if "_pilot" not in optimizer.__dict__:  # pickled before the autopilot
+        optimizer._pilot = Pilot(Autopilot(), optimizer.rule)
     optimizer._device_skips = None
     optimizer._books = {id(book.group): book for book in state.get("_books") or ()}
     optimizer._positions = {id(param): position

@@ -25,6 +25,7 @@ import torch
 from ..metrics import UpdateStats
 from . import dispatch
 from .admission import param_names, states_of
+from .autopilot import AUTO, cache_of, owner_of
 from .edits import hides_weight
 from .group import ITEM_GRAD, ITEM_PARAM, GroupStep, Item, check_gradient, make_item
 from .nonfinite import report_nonfinite, shard_group
@@ -72,20 +73,23 @@ def gather(optimizer) -> list[Batch]:
             for name, param, grad in zip(names, params, grads):
                 check_gradient(name, param, grad)
         group_keys = ("", f"group{index}")
-        keys = ([(*group_keys, name) for name in names] if "param_names" in group
+        # per tensor where named, and always under "auto" (the autopilot reads them)
+        keys = ([(*group_keys, name) for name in names]
+                if "param_names" in group or group["strategy"] == AUTO
                 else itertools.repeat(group_keys))
         items = list(map(make_item, zip(
             names, params, grads, map(state.__getitem__, params),
             map(positions.__getitem__, map(id, params)), keys)))
         batches.append((index, group, items))
-    return batches
+    # "auto" groups: one batch per rung, each stepped as its strategy (autopilot.py)
+    return optimizer._pilot.split(batches)
 
 
 def item_of(optimizer, index: int, group: dict, name: str, param: torch.Tensor) -> Item:
     """One parameter's item, as :func:`gather` makes it (the same metric keys)."""
     check_gradient(name, param, param.grad)
     keys = ("", f"group{index}")
-    if "param_names" in group:
+    if "param_names" in group or group["strategy"] == AUTO:
         keys = (*keys, name)
     return Item(name, param, param.grad, optimizer.state[param],
                 optimizer._positions[id(param)], keys)
@@ -99,8 +103,11 @@ def sharded_over(batches: list[Batch]):
 
 
 def measuring(optimizer) -> bool:
-    """Whether this step measures lost updates (``track_updates``: every k-th step)."""
-    return optimizer.track_updates > 0 and optimizer._steps_taken % optimizer.track_updates == 0
+    """Whether this step measures lost updates (``track_updates``: every k-th step; the
+    autopilot's steps, ``autopilot.Pilot.due``)."""
+    steps = optimizer._steps_taken
+    return (optimizer.track_updates > 0 and steps % optimizer.track_updates == 0
+            ) or optimizer._pilot.due(steps)
 
 
 def stats_for(optimizer, cycle) -> UpdateStats | None:
@@ -120,13 +127,13 @@ def group_steps(optimizer, batches: list[Batch], stats: UpdateStats | None
 def group_step(optimizer, index: int, group: dict, items: list[Item],
                stats: UpdateStats | None, cache: dict | None = None) -> GroupStep:
     """The plain data of one group's step (``group.GroupStep``); ``cache``: the paths'
-    cache, the group's by default."""
-    book = optimizer._books[id(group)]
+    cache, the group's by default (a rung of an "auto" group: the rung's)."""
+    book = optimizer._books[id(owner_of(group))]
     return GroupStep(
         optimizer.rule, get_strategy(group["strategy"]), book.values, items,
         seed=optimizer.seed, grad_scale=getattr(optimizer, "grad_scale", None),
         foreach=group["foreach"], fused=group["fused"], reference=group["reference"],
-        stats=stats, cache=book.cache if cache is None else cache,
+        stats=stats, cache=cache_of(book, group) if cache is None else cache,
         warn=optimizer._warn_fallback)
 
 
@@ -158,7 +165,7 @@ def step_planned(optimizer, batches: list[Batch], planned: list) -> bool:
     books, writes = optimizer._books, optimizer._writes
     for (_, group, _), ready in zip(batches, planned):
         if ready is not None:
-            books[id(group)].path = ready.path
+            books[id(owner_of(group))].path = ready.path
             if hides_weight(ready.group.strategy):
                 writes.bumped(ready.group.items)  # (dispatch moved their counters)
     optimizer._steps_taken += 1
@@ -184,13 +191,17 @@ def land(optimizer, batches: list[Batch], prepared: list, stats: UpdateStats | N
     books = optimizer._books
     for group, ready in prepared:
         if ready is not None:
-            books[id(group)].path = dispatch.run(ready)
+            books[id(owner_of(group))].path = dispatch.run(ready)
     _note_writes(optimizer, batches, prepared, rederived)
+    step = optimizer._steps_taken
     optimizer._steps_taken += 1
     if stats is not None:
         if sharded is not None:
             stats.reduce_(sharded)
         optimizer.update_stats = stats.to_dict()
+        if optimizer._pilot.due(step):  # promotions (autopilot.py), after the writes noted
+            optimizer.update_stats.update(optimizer._pilot.decide(
+                optimizer, batches, optimizer.update_stats, step))
 
 
 def _rederive_edits(optimizer, batches: list[Batch], prepared: list) -> list[bool]:
@@ -221,7 +232,11 @@ def _note_writes(optimizer, batches: list[Batch], prepared: list, rederived: lis
 def rederive_pending(optimizer) -> None:
     """Apply now the re-derivations the next step would make (``edits.py``), so that
     what is saved or exported beside the weights describes them."""
+    pilot, positions = optimizer._pilot, optimizer._positions
     for index, group in enumerate(optimizer.param_groups):
-        optimizer._writes.rederive_pending(
-            get_strategy(group["strategy"]),
-            [(p, s) for _, p, s in states_of(optimizer, group, index)])
+        by_strategy: dict[str, list] = {}
+        for _, p, s in states_of(optimizer, group, index):
+            by_strategy.setdefault(pilot.strategy_at(group["strategy"], positions[id(p)]),
+                                   []).append((p, s))
+        for name, pairs in by_strategy.items():
+            optimizer._writes.rederive_pending(get_strategy(name), pairs)

@@ -21,6 +21,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from ..optim.autopilot import AUTO
 from ..optim.strategies import NAMES
 from .memory import bytes_per_param
 from .runs import Run
@@ -38,10 +39,12 @@ LOSSES = ("final_train_loss", "final_val_loss", "final_val_ppl", "best_val_loss"
 MEANS = ("tokens_per_s", "train_time_s", "cpu_time_s", "run_time_s", "wall_time_s",
          "edq_mean", "imprecision_mean", "edq_visible_mean", "imprecision_visible_mean")
 #: Memory peaks: a pooled record gives the largest over seeds.
-PEAKS = ("peak_memory_bytes", "optimizer_step_peak_bytes", "process_peak_rss_bytes")
+PEAKS = ("peak_memory_bytes", "optimizer_step_peak_bytes", "process_peak_rss_bytes",
+         "auto_bytes_per_param_peak")
 #: What ``per_seed`` keeps of each run.
 PER_SEED = ("seed", "label", "final_val_loss", "final_train_loss", "best_val_loss",
-            "edq_mean", "imprecision_mean", "tokens_per_s", "wall_time_s", "init_checksum")
+            "edq_mean", "imprecision_mean", "tokens_per_s", "wall_time_s", "init_checksum",
+            "auto_decisions", "auto_bytes_per_param_final", "auto_bytes_per_param_peak")
 
 Result = dict[str, Any]
 
@@ -170,8 +173,16 @@ def records(done: list[tuple[Run, Result]], n_seeds: int) -> list[dict[str, Any]
         out.append(_pooled(runs, summaries) if pooled else _run_record(runs[0], summaries[0]))
     _compare(out, pooled)
     for r in out:
-        r["bytes_per_param_model"] = bytes_per_param(r["strategy"]).total
+        # (auto: its tensors' rungs at the end, the mean over seeds)
+        r["bytes_per_param_model"] = (_auto_bytes(r) if r["strategy"] == AUTO
+                                      else bytes_per_param(r["strategy"]).total)
     return out
+
+
+def _auto_bytes(record: dict[str, Any]) -> float:
+    values = [s.get("auto_bytes_per_param_final")
+              for s in record.get("per_seed") or [record]]
+    return round(_finite_mean(values), 2)
 
 
 def pareto_front(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

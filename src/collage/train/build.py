@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from ..optim import AdamW, get_strategy
+from ..optim import AUTO, AdamW, Autopilot, get_strategy
 from .config import BASELINES, Config, OptimConfig
 from .data import vocab_size
 from .gemm import BF16, set_mode
@@ -44,7 +44,7 @@ def resolve_device(name: str) -> torch.device:
 def weight_dtype(strategy: str) -> torch.dtype:
     """The dtype the model trains in: the strategy's default weight dtype (float32 for
     fp32, bfloat16 for the others); the baselines that are not strategies train bf16."""
-    if strategy in BASELINES:
+    if strategy in BASELINES or strategy == AUTO:  # (auto: every rung takes bf16)
         return torch.bfloat16
     return get_strategy(strategy).weight_dtypes[0]
 
@@ -111,6 +111,8 @@ def make_optimizer(model: nn.Module, optim: OptimConfig, strategy: str, *, beta2
         eps=optim.eps, weight_decay=optim.weight_decay, strategy=strategy,
         foreach=optim.foreach, track_updates=track_every or False, seed=seed,
         step_in_backward=optim.step_in_backward, grad_accumulation=optim.grad_accumulation,
+        autopilot=(Autopilot(threshold=optim.auto_threshold, every=optim.auto_every)
+                   if strategy == AUTO else None),
     )
 
 

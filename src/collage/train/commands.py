@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
-from ..optim import consolidate
+from ..optim import AUTO, Autopilot, consolidate
+from ..optim.rules import ADAMW
 from .build import resolve_device
 from .checkpoint import save_atomic
 from .compare import compare
@@ -219,6 +220,12 @@ def _memory_params(args: argparse.Namespace) -> float:
     return float(sum(p.numel() for p in model.parameters()))
 
 
+def _auto_range(grad_dtype: str) -> dict[str, float]:
+    """Bytes per parameter of each rung of the autopilot's default ladder (AdamW)."""
+    return {s.name: bytes_per_param(s.name, grad_dtype).total
+            for s in Autopilot().rungs_for(ADAMW)}
+
+
 def cmd_memory(args: argparse.Namespace) -> int:
     n = _memory_params(args)
     valid = strategies()
@@ -230,7 +237,9 @@ def cmd_memory(args: argparse.Namespace) -> int:
                                  + ", ".join(valid))
             if name not in chosen:
                 chosen.append(name)
-    chosen = chosen or list(valid)
+    chosen = chosen or [name for name in valid if name != AUTO]
+    auto = AUTO in chosen  # (its bytes are decided in training: the ladder's range)
+    chosen = [name for name in chosen if name != AUTO]
     if args.grad_dtype not in GRAD_DTYPES:
         raise UsageError(f"--grad-dtype: expected one of {', '.join(GRAD_DTYPES)}, got "
                          f"{args.grad_dtype!r}")
@@ -241,15 +250,25 @@ def cmd_memory(args: argparse.Namespace) -> int:
             b = bytes_per_param(name, args.grad_dtype)
             rows.append({**b.to_dict(), "total_bytes": b.total * n,
                          "saving_vs_mixed_bytes": mixed - b.total * n})
-        json.dump({"params": n, "grad_dtype": args.grad_dtype, "strategies": rows},
+        extra = {"auto": _auto_range(args.grad_dtype)} if auto else {}
+        json.dump({"params": n, "grad_dtype": args.grad_dtype, "strategies": rows, **extra},
                   sys.stdout, indent=1)
         print()
         return 0
     print(f"Persistent memory for {n:,.0f} parameters (gradients {args.grad_dtype}; "
           f"bytes per parameter; GB = 1e9 bytes; activations not included)")
     print()
-    print(memory_table(n, chosen, args.grad_dtype))
-    print()
+    if chosen:
+        print(memory_table(n, chosen, args.grad_dtype))
+        print()
+    if auto:
+        ladder = _auto_range(args.grad_dtype)
+        print("auto: each tensor at a rung of the ladder as its measured lost updates decide "
+              "in training (docs/autopilot.md): " + " -> ".join(
+                  f"{name} {b:g}" for name, b in ladder.items())
+              + f" bytes per parameter, {min(ladder.values()) * n / 1e9:.2f} to "
+              f"{max(ladder.values()) * n / 1e9:.2f} GB; a run's figure is in its report")
+        print()
     print("weights: the model's weights (mixed: bf16 model + fp32 master); states: AdamW m and "
           "v; comp: compensation (Collage lo, Kahan buffer, split low bits, v lo); vs mixed: "
           "change of the total against mixed")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UsageError
-from ..optim import STRATEGIES
+from ..optim import AUTO, STRATEGIES
 from ..optim.backward import GRAD_ACCUMULATIONS
 from ..optim.strategies import DEFAULT_STRATEGY, MAIN_STRATEGIES, NAMES
 from . import gemm
@@ -53,8 +53,9 @@ DEFAULT_COMPARE = MAIN_STRATEGIES
 
 
 def strategies() -> tuple[str, ...]:
-    """Every name the harness accepts: ``collage.STRATEGIES`` and :data:`BASELINES`."""
-    return tuple(STRATEGIES) + BASELINES
+    """Every name the harness accepts: ``collage.STRATEGIES``, ``auto`` (the autopilot,
+    ``docs/autopilot.md``) and :data:`BASELINES`."""
+    return (*STRATEGIES, AUTO, *BASELINES)
 
 
 def _opt(default: Any, help: str, *, flag: str | None = None, commands: tuple[str, ...] = (),
@@ -213,6 +214,9 @@ class OptimConfig:
     step_in_backward: bool = _opt(False, "step each parameter in backward as soon as its "
                                   "gradient is complete, and free it (needs --grad-clip 0 "
                                   "and --grad-accum 1; docs/memory.md)")
+    auto_threshold: float = _opt(0.5, "strategy auto: lost-update fraction above which a "
+                                 "tensor moves up a rung (docs/autopilot.md)")
+    auto_every: int = _opt(50, "strategy auto: measure and decide every k-th step")
 
     def __post_init__(self) -> None:
         _finite("optim", self)

@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from ..metrics import FAMILIES, module_family
+from .report_auto import record_auto
 
 __all__ = ["STAT_KEYS", "new_history", "family_stats", "record_stats", "mean", "tail_mean",
            "family_means"]
@@ -66,6 +67,7 @@ def record_stats(history: dict[str, Any], stats: dict[str, float] | None, step: 
     if not stats:
         return
     history["stats_step"].append(step)
+    record_auto(history, stats, step)
     for k in STAT_KEYS:
         history[k].append(stats.get(k, math.nan))
     per_family = family_stats(stats, names)

@@ -17,6 +17,7 @@ from typing import Any
 from .aggregate import pareto_front
 from .config import Config
 from .memory import ROLES
+from .report_auto import plot_auto_bytes
 from .runs import Run
 from .stats import t_critical
 
@@ -64,6 +65,9 @@ def write_plots(config: Config, done: list[tuple[Run, dict[str, Any]]],
     if any(h["stats_step"] for line in lines for h in line.histories):
         written.append(_plot_edq(plt, lines, style, out_dir))
     written.append(_plot_memory(plt, [r for r in records if r.get("best_lr", True)], out_dir))
+    auto = plot_auto_bytes(plt, lines, style, out_dir, _save)
+    if auto is not None:
+        written.append(auto)
     if config.run.seeds > 1:
         colors = {line.strategy: style(line)["color"] for line in lines}
         written.append(_plot_pareto(plt, records, colors, out_dir))

@@ -7,6 +7,7 @@ from typing import Any
 
 from .config import Config
 from .gemm import Bf16Gemm
+from .report_auto import auto_section
 from .report_sweeps import (
     best_lr_section,
     fmt,
@@ -38,7 +39,7 @@ def report_markdown(config: Config, records: list[dict[str, Any]], env: dict[str
         lines += best_lr_section(records)
     if pooled:
         lines += pareto_section(records) + per_seed_table(records, swept)
-    lines += _families(records, swept)
+    lines += _families(records, swept) + auto_section(records)
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     lines += _settings(config, records[0]) + _environment(config, env)

@@ -48,6 +48,7 @@ from .gemm import BF16, Bf16Gemm, choose, set_mode
 from .history import family_means, mean, new_history, record_stats, tail_mean
 from .memory import TensorMemoryProbe, current_rss_bytes, peak_rss_bytes, persistent_bytes
 from .models import is_causal
+from .report_auto import auto_summary, promoted
 from .outputs import machine
 from .step import clip_gradients, evaluate, rank_loss, token_loss
 
@@ -279,7 +280,8 @@ def _train_step(s: Session, step: int, probe: _StepProbe, cursor: _Cursor) -> No
     with probe.section(step):
         s.opt.step()
     s.sched.step()
-    if s.persistent is None and s.opt.state:  # after the first real (not skipped) step
+    if s.opt.state and (s.persistent is None  # after the first real (not skipped) step
+                        or promoted(s.opt, stats_before)):  # auto: its rungs changed
         s.persistent = persistent_bytes(s.model, s.opt)
     s.opt.zero_grad(set_to_none=True)
     probe.exit(step)
@@ -427,6 +429,7 @@ def _summary(s: Session, done: int, probe: _StepProbe) -> dict[str, Any]:
         "edq_visible_mean": mean(history["edq_visible"]),
         "imprecision_visible_mean": mean(history["imprecision_visible"]),
         "family": family_means(history),
+        **auto_summary(s.opt, history),
         "init_checksum": s.init_checksum,
         "data_source": s.corpus.source,
         "train_tokens": len(s.corpus.train),

@@ -21,7 +21,8 @@ from typing import Any
 
 from ..errors import UsageError
 from .checkpoint import CHECKPOINT_NAME, config_differences
-from .config import Config
+from ..optim import AUTO
+from .config import Config, OptimConfig
 
 __all__ = ["Run", "RESULT_NAME", "plan_runs", "run_config", "run_dir", "load_result",
            "save_result", "training_lock"]
@@ -79,8 +80,13 @@ def plan_runs(config: Config) -> list[Run]:
 
 
 def run_config(config: Config, run: Run) -> Config:
-    """The configuration ``run`` trains with: its seed, learning rate and beta2 set."""
-    return config.replace(run={"seed": run.seed}, optim={"lr": run.lr, "beta2": run.beta2})
+    """The configuration ``run`` trains with: its seed, learning rate and beta2 set; the
+    autopilot's settings at their defaults unless it runs ``auto`` (so that a run of
+    another strategy is the same run, resumable, whatever ``--auto-*`` say)."""
+    auto = {} if run.strategy == AUTO else {
+        name: getattr(OptimConfig, name) for name in ("auto_threshold", "auto_every")}
+    return config.replace(run={"seed": run.seed},
+                          optim={"lr": run.lr, "beta2": run.beta2, **auto})
 
 
 def run_dir(out_dir: str, run: Run) -> str:
