@@ -190,19 +190,25 @@ def test_the_default_check_skips_on_the_device_bit_for_bit(rule, strategy, ieee_
 
 
 def _planned_step_with(strategy: str, dtype: torch.dtype, where: int, value: float,
-                       flags: dict) -> tuple[list[torch.Tensor], collage.optim.CollageOptimizer]:
-    """Two tensors (1,000 elements: three whole interpreted blocks and a tail; 37: a tail
-    only); a first step, then a step whose gradient has ``value`` at flat position
-    ``where`` of the two tensors' concatenation; the weights after, and the optimizer."""
+                       flags: dict, first_size: int = 1000
+                       ) -> tuple[list[torch.Tensor], collage.optim.CollageOptimizer]:
+    """Two tensors (``first_size`` elements, 1,000: three whole interpreted blocks and a
+    tail; 37: a tail only); a first step, then a step whose gradient has ``value`` at flat
+    position ``where`` of the two tensors' concatenation; the weights after, and the
+    optimizer."""
     g = torch.Generator().manual_seed(5)
-    params = [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in (1000, 37)]
+    params = [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype))
+              for n in (first_size, 37)]
     opt = collage.AdamW(params, strategy=strategy, **flags)
     for step in range(2):
         for p in params:
             p.grad = torch.randn(p.shape, generator=g).to(dtype)
         if step == 1:
             first, second = params[0].grad, params[1].grad
-            (first if where < 1000 else second).view(-1)[where % 1000] = value
+            if where < first_size:
+                first.view(-1)[where] = value
+            else:
+                second.view(-1)[where - first_size] = value
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # the host's skip warns here
             opt.step()
@@ -234,6 +240,35 @@ def test_the_plans_check_kernel_finds_every_non_finite_element(strategy, dtype, 
     want, ref = _planned_step_with(strategy, dtype, where, value, {"foreach": True})
     assert opt.last_paths == {0: "triton"}
     assert isinstance(opt._device_skips, torch.Tensor)  # the verdict left on the device
+    for a, b in zip(got, want):
+        assert_bitwise_equal({"w": a}, {"w": b})
+    if finite:
+        assert opt.skipped_steps == 0 == ref.skipped_steps
+    else:
+        with pytest.warns(RuntimeWarning, match="skipped 1 step"):
+            assert opt.skipped_steps == 1 == ref.skipped_steps
+
+
+@needs_triton
+@pytest.mark.parametrize(("strategy", "dtype"), [("plus", torch.bfloat16),
+                                                 ("fp32", torch.float32)])
+@pytest.mark.parametrize(("where", "value"), [
+    (25 * 256 + 3, float("inf")),  # program 1's 9th block: its second group of blocks
+    (59 * 256 + 255, float("nan")),  # the last whole block, in a group clamped past it
+    (49 * 256 + 128, -1.0e-30),  # finite: program 1's 17th block, its third group
+])
+def test_the_check_kernel_finds_a_non_finite_element_in_any_group_of_blocks(
+        strategy, dtype, where, value, ieee_sqrt):
+    """Issue #44: the check reads ``CHECK_TILES`` whole blocks per iteration of a program's
+    loop (each group located one iteration ahead; a group past the last block reads that
+    one again). 60 whole blocks over the interpreter's 3 programs: 20 each, three groups of
+    8, the last clamped; a non-finite value in any of them skips the step, a finite one
+    does not (the host-checked foreach path's bits either way)."""
+    size = 60 * 256 + 100
+    finite = value == value and abs(value) != float("inf")
+    got, opt = _planned_step_with(strategy, dtype, where, value, {"fused": "triton"}, size)
+    want, ref = _planned_step_with(strategy, dtype, where, value, {"foreach": True}, size)
+    assert opt.last_paths == {0: "triton"}
     for a, b in zip(got, want):
         assert_bitwise_equal({"w": a}, {"w": b})
     if finite:

@@ -38,15 +38,39 @@ def _fetch_state(row_base, column: tl.constexpr, USED: tl.constexpr, offs, mask,
 
 
 @triton.jit
-def _fetch(table, grads, blocks, i, RULE: tl.constexpr, LANDING: tl.constexpr,
+def _coefficient(coefs, row, j: tl.constexpr, value, CAPTURABLE: tl.constexpr):
+    """Coefficient ``j``: the argument, or the row's entry of the device table."""
+    if CAPTURABLE:
+        return tl.load(coefs + row * NCOEF + j)
+    else:
+        return value
+
+
+@triton.jit
+def _fetch(table, grads, blocks, i, coefs, k0, k1, k2, k3, k4, k5, k6, k7,
+           RULE: tl.constexpr, LANDING: tl.constexpr,
            W_KIND: tl.constexpr, X_KIND: tl.constexpr, S_KIND: tl.constexpr,
            SLOW_PAIR: tl.constexpr, MOMENTUM: tl.constexpr, MASKED: tl.constexpr,
-           ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """Tile ``i`` of the launch: its row, elements and every column it reads, loaded as
-    stored (the loads issued, their values used later: :func:`multi_tensor_step` fetches
-    the next tile before it computes this one)."""
+           CAPTURABLE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """Tile ``i`` of the launch: its row, elements, coefficients and every column it reads,
+    loaded as stored (the loads issued, their values used later: :func:`multi_tensor_step`
+    fetches the next tile before it computes this one). The row's coefficients (CAPTURABLE:
+    the device table's) are fetched with the tile, an iteration before they are used: on
+    the scoreboard of this tile's data, waited on when the tile is stepped. Loaded when the
+    tile was stepped, they shared a scoreboard with the next tile's data loads, and their
+    first use waited for the whole next tile (issue #44)."""
     row = tl.load(blocks + 2 * i).to(tl.int64)
     block = tl.load(blocks + 2 * i + 1).to(tl.int64)
+    # one call each: a tuple returned by a helper gives the interpreter's kernel-argument
+    # floats back as Python floats (tl.broadcast_to then rejects them)
+    c0 = _coefficient(coefs, row, 0, k0, CAPTURABLE)
+    c1 = _coefficient(coefs, row, 1, k1, CAPTURABLE)
+    c2 = _coefficient(coefs, row, 2, k2, CAPTURABLE)
+    c3 = _coefficient(coefs, row, 3, k3, CAPTURABLE)
+    c4 = _coefficient(coefs, row, 4, k4, CAPTURABLE)
+    c5 = _coefficient(coefs, row, 5, k5, CAPTURABLE)
+    c6 = _coefficient(coefs, row, 6, k6, CAPTURABLE)
+    c7 = _coefficient(coefs, row, 7, k7, CAPTURABLE)
     row_base = table + row * NCOL
     offs = block * BLOCK + tl.arange(0, BLOCK)
     # A size loaded from memory has no known divisibility, so a mask built from it varies
@@ -83,21 +107,12 @@ def _fetch(table, grads, blocks, i, RULE: tl.constexpr, LANDING: tl.constexpr,
     s2_ptr, s2 = _fetch_state(row_base, C_STATE + 2, third, offs, mask, S_KIND, ALIGNED,
                               BLOCK)
     return (row, offs, mask, g_ptr, w_ptr, x_ptr, s0_ptr, s1_ptr, s2_ptr,
-            g, w, x, s0, s1, s2)
+            g, w, x, s0, s1, s2, c0, c1, c2, c3, c4, c5, c6, c7)
 
 
 # ---------------------------------------------------------------------------------------
 # the step
 # ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _coefficient(coefs, row, j: tl.constexpr, value, CAPTURABLE: tl.constexpr):
-    """Coefficient ``j``: the argument, or the row's entry of the device table."""
-    if CAPTURABLE:
-        return tl.load(coefs + row * NCOEF + j)
-    else:
-        return value
 
 
 @triton.jit
@@ -113,7 +128,7 @@ def _gradient(raw, scale, W_KIND: tl.constexpr, SCALED: tl.constexpr,
 
 
 @triton.jit
-def _step_tile(tile, table, coefs, scale, k0, k1, k2, k3, k4, k5, k6, k7, step,
+def _step_tile(tile, table, scale, step,
                RULE: tl.constexpr, LANDING: tl.constexpr, W_KIND: tl.constexpr,
                X_KIND: tl.constexpr, S_KIND: tl.constexpr, SLOW_PAIR: tl.constexpr,
                DECAY: tl.constexpr, SCALED: tl.constexpr, MAXIMIZE: tl.constexpr,
@@ -122,15 +137,8 @@ def _step_tile(tile, table, coefs, scale, k0, k1, k2, k3, k4, k5, k6, k7, step,
                EMULATE_FMA: tl.constexpr, HW: tl.constexpr):
     """One fetched tile: the rule's update from float32 values, its states stored, the
     landing: ``w_new = w * decay + update * scale`` (SGD and Lion: scale -lr)."""
-    row, offs, mask, g_ptr, w_ptr, x_ptr, s0_ptr, s1_ptr, s2_ptr, g, w, x, s0, s1, s2 = tile
-    c0 = _coefficient(coefs, row, 0, k0, CAPTURABLE)
-    c1 = _coefficient(coefs, row, 1, k1, CAPTURABLE)
-    c2 = _coefficient(coefs, row, 2, k2, CAPTURABLE)
-    c3 = _coefficient(coefs, row, 3, k3, CAPTURABLE)
-    c4 = _coefficient(coefs, row, 4, k4, CAPTURABLE)
-    c5 = _coefficient(coefs, row, 5, k5, CAPTURABLE)
-    c6 = _coefficient(coefs, row, 6, k6, CAPTURABLE)
-    c7 = _coefficient(coefs, row, 7, k7, CAPTURABLE)
+    (row, offs, mask, g_ptr, w_ptr, x_ptr, s0_ptr, s1_ptr, s2_ptr, g, w, x, s0, s1, s2,
+     c0, c1, c2, c3, c4, c5, c6, c7) = tile  # the coefficients: loaded with the tile
     grad = _gradient(g, scale, W_KIND, SCALED, MAXIMIZE)
     weight = _weight(w, x, LANDING, W_KIND, X_KIND)
     if RULE == ADAMW:
@@ -165,6 +173,29 @@ def _step_tile(tile, table, coefs, scale, k0, k1, k2, k3, k4, k5, k6, k7, step,
             new = _axpy(weight, update, step_scale, HAS_SCALE, EMULATE_FMA)
         draw = _draw(table, row, step, offs, LANDING, CAPTURABLE)
         _land_new(new, w_ptr, x_ptr, offs, mask, draw, LANDING, W_KIND, HW)
+
+
+@triton.jit
+def _lanes(raw):
+    """A 16-bit raw column in 32-bit lanes, as every use of it widens it first (the same
+    values): done at the top of an iteration, before the next tile's loads are issued,
+    it frees the registers those loads land in, so the loop carries no copy of the next
+    tile (a copy waits for its loads, and ptxas placed the copies mid-way through the
+    arithmetic: the end of the overlap window, issue #44)."""
+    if raw.dtype == tl.uint16:
+        return raw.to(tl.uint32)
+    else:
+        return raw
+
+
+@triton.jit
+def _settled(tile):
+    """``tile`` with its 16-bit columns in 32-bit lanes (:func:`_lanes`)."""
+    (row, offs, mask, g_ptr, w_ptr, x_ptr, s0_ptr, s1_ptr, s2_ptr, g, w, x, s0, s1, s2,
+     c0, c1, c2, c3, c4, c5, c6, c7) = tile
+    return (row, offs, mask, g_ptr, w_ptr, x_ptr, s0_ptr, s1_ptr, s2_ptr, _lanes(g),
+            _lanes(w), _lanes(x), _lanes(s0), _lanes(s1), _lanes(s2), c0, c1, c2, c3, c4,
+            c5, c6, c7)
 
 
 @triton.jit(do_not_specialize=["step", "tiles", "whole"])
@@ -220,22 +251,26 @@ def multi_tensor_step(
         last_whole = tl.where(skipped, 0, whole)
         count = tl.where(skipped, 0, tiles)
     if WHOLE:
-        tile = _fetch(table, grads, blocks, tl.minimum(pid, whole - 1), RULE, LANDING,
-                      W_KIND, X_KIND, S_KIND, SLOW_PAIR, MOMENTUM, False, ALIGNED, BLOCK)
+        tile = _fetch(table, grads, blocks, tl.minimum(pid, whole - 1), coefs, k0, k1, k2,
+                      k3, k4, k5, k6, k7, RULE, LANDING, W_KIND, X_KIND, S_KIND, SLOW_PAIR,
+                      MOMENTUM, False, CAPTURABLE, ALIGNED, BLOCK)
         for i in range(pid, last_whole, programs):
+            tile = _settled(tile)
             following = _fetch(table, grads, blocks, tl.minimum(i + programs, whole - 1),
-                               RULE, LANDING, W_KIND, X_KIND, S_KIND, SLOW_PAIR, MOMENTUM,
-                               False, ALIGNED, BLOCK)
-            _step_tile(tile, table, coefs, scale, k0, k1, k2, k3, k4, k5, k6, k7, step,
+                               coefs, k0, k1, k2, k3, k4, k5, k6, k7, RULE, LANDING, W_KIND,
+                               X_KIND, S_KIND, SLOW_PAIR, MOMENTUM, False, CAPTURABLE,
+                               ALIGNED, BLOCK)
+            _step_tile(tile, table, scale, step,
                        RULE, LANDING, W_KIND, X_KIND, S_KIND, SLOW_PAIR, DECAY, SCALED,
                        MAXIMIZE, CAPTURABLE, WEIGHT_DECAY, MOMENTUM, NESTEROV, HAS_SCALE,
                        EMULATE_FMA, HW)
             tile = following
     if TAILS:
         for i in range(whole + pid, count, programs):
-            tile = _fetch(table, grads, blocks, i, RULE, LANDING, W_KIND, X_KIND, S_KIND,
-                          SLOW_PAIR, MOMENTUM, True, ALIGNED, BLOCK)
-            _step_tile(tile, table, coefs, scale, k0, k1, k2, k3, k4, k5, k6, k7, step,
+            tile = _fetch(table, grads, blocks, i, coefs, k0, k1, k2, k3, k4, k5, k6, k7,
+                          RULE, LANDING, W_KIND, X_KIND, S_KIND, SLOW_PAIR, MOMENTUM, True,
+                          CAPTURABLE, ALIGNED, BLOCK)
+            _step_tile(tile, table, scale, step,
                        RULE, LANDING, W_KIND, X_KIND, S_KIND, SLOW_PAIR, DECAY, SCALED,
                        MAXIMIZE, CAPTURABLE, WEIGHT_DECAY, MOMENTUM, NESTEROV, HAS_SCALE,
                        EMULATE_FMA, HW)
