@@ -77,6 +77,9 @@ def test_strategies_page_bytes_per_parameter():
         assert abs(bytes_per_param(name).total - documented) < 0.01, (name, documented)
 
 
+# Each regenerates a study's table (23-50 s on 2 AMD EPYC cores): in the slow run (-m slow),
+# to keep the default suite within CI's 15 minutes
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["second_moment.py", "research_plus.py"])
 def test_generated_tables_are_what_the_code_computes(script):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "studies" / script),
