@@ -249,14 +249,21 @@ def test_the_plans_check_kernel_finds_every_non_finite_element(strategy, dtype, 
             assert opt.skipped_steps == 1 == ref.skipped_steps
 
 
-@needs_triton
-@pytest.mark.parametrize(("strategy", "dtype"), [("plus", torch.bfloat16),
-                                                 ("fp32", torch.float32)])
-@pytest.mark.parametrize(("where", "value"), [
+_CHECK_PLACES = [
     (25 * 256 + 3, float("inf")),  # program 1's 9th block: its second group of blocks
     (59 * 256 + 255, float("nan")),  # the last whole block, in a group clamped past it
     (49 * 256 + 128, -1.0e-30),  # finite: program 1's 17th block, its third group
-])
+]
+
+
+@needs_triton
+@pytest.mark.parametrize(("strategy", "dtype", "where", "value"), [
+    *[("plus", torch.bfloat16, where, value) for where, value in _CHECK_PLACES],
+    # float32 gradients (another word test) in the clamped group by default; the other two
+    # places run under -m slow (each case 5-15 s in the interpreter: the suite's budget)
+    ("fp32", torch.float32, *_CHECK_PLACES[1]),
+    *[pytest.param("fp32", torch.float32, where, value, marks=pytest.mark.slow)
+      for where, value in (_CHECK_PLACES[0], _CHECK_PLACES[2])]])
 def test_the_check_kernel_finds_a_non_finite_element_in_any_group_of_blocks(
         strategy, dtype, where, value, ieee_sqrt):
     """Issue #44: the check reads ``CHECK_TILES`` whole blocks per iteration of a program's
@@ -455,6 +462,33 @@ def test_stochastic_rounding_by_exponent_arithmetic_is_the_exact_division():
                                                          BLOCK=256)
         expected = rounding._stochastic_round_bf16(x, draw).view(torch.int16)
         assert torch.equal(out, expected)
+
+
+@needs_triton
+def test_stochastic_rounding_on_the_integer_view_is_the_reference_on_the_draws_grid():
+    """The step rounds from the top 16 bits of its 24-bit draws on the integer view alone
+    (``kernels.draws._stochastic_bf16_draw16``): for every draw on the 2**-24 grid (the
+    step's, ``draws.counter_uniform``) it must be ``rounding._stochastic_round_bf16`` bit
+    for bit: draws at 0, the largest, random ones, and at, one grid step under and over
+    the probability and its complement (both exact multiples of 2**-16 of the spacing),
+    and each with low bits that the top 16 do not see."""
+    module = launches.kernel_module(True)
+    x = _hard_stochastic_inputs()
+    low = x.view(torch.int32).to(torch.int64) & 0xFFFF
+    g = torch.Generator().manual_seed(5)
+    tops = [torch.zeros_like(low), torch.full_like(low, 0xFFFF),
+            torch.randint(0, 0x10000, x.shape, generator=g)]
+    for k in (low, 0x10000 - low):
+        tops += [k, k - 1, k + 1]
+    for top in tops:
+        for rest in (0, 0xFF, torch.randint(0, 0x100, x.shape, generator=g)):
+            u = (top.clamp(0, 0xFFFF) << 8) | rest
+            draw = (u.double() * 2.0**-24).float()
+            out = torch.empty(x.shape, dtype=torch.int16)
+            module.stochastic_draw16_probe[(-(-x.numel() // 256),)](x, draw, out, x.numel(),
+                                                                    BLOCK=256)
+            expected = rounding._stochastic_round_bf16(x, draw).view(torch.int16)
+            assert torch.equal(out, expected)
 
 
 class _CountedKernels:

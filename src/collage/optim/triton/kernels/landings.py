@@ -11,7 +11,7 @@ from .arithmetic import _axpy, _finite, _round
 from .codes import (C_STEP, F32, L_BF16, L_FP32, L_LIGHT, L_MIXED, L_PLUS, L_SPLIT,
                     L_STOCHASTIC, NCOL)
 from .columns import _normalize, _store, _store_pair, _value
-from .draws import _stochastic_bf16, _uniform
+from .draws import _draw16, _stochastic_bf16_draw16
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def _land_new(new, w_ptr, x_ptr, offs, mask, draw, LANDING: tl.constexpr,
     elif LANDING == L_BF16:
         _store(w_ptr, offs, new, mask, W_KIND, HW)
     elif LANDING == L_STOCHASTIC:
-        tl.store(w_ptr + offs, _stochastic_bf16(new, draw, HW).to(tl.uint16), mask=mask)
+        tl.store(w_ptr + offs, _stochastic_bf16_draw16(new, draw).to(tl.uint16), mask=mask)
     elif LANDING == L_SPLIT:
         # rounding.split_encode: the bf16 weight nearest the master, its low 16 bits
         bits = new.to(tl.uint32, bitcast=True)
@@ -75,13 +75,14 @@ def _land_new(new, w_ptr, x_ptr, offs, mask, draw, LANDING: tl.constexpr,
 
 @triton.jit
 def _draw(table, row, step, offs, LANDING: tl.constexpr, CAPTURABLE: tl.constexpr):
-    """Stochastic rounding's draws of the tile (0 for the other landings)."""
+    """Stochastic rounding's draws of the tile, the top 16 of their 24 bits
+    (:func:`_draw16`: all the rounding reads of them); 0 for the other landings."""
     if LANDING == L_STOCHASTIC:
         row_base = table + row * NCOL
         if CAPTURABLE:
             counter = tl.load(row_base + C_STEP).to(tl.pointer_type(tl.float32))
-            return _uniform(row_base, tl.load(counter).to(tl.int64), offs)
+            return _draw16(row_base, tl.load(counter).to(tl.int64), offs)
         else:
-            return _uniform(row_base, step.to(tl.int64), offs)
+            return _draw16(row_base, step.to(tl.int64), offs)
     else:
-        return tl.full(offs.shape, 0.0, tl.float32)
+        return tl.full(offs.shape, 0, tl.uint32)
