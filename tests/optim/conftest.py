@@ -85,3 +85,10 @@ def kernel_lib(request, backend_libs):
         pytest.skip(f"the {request.param} backend is the default here, or this CPU or "
                     "compiler cannot build it")
     return backend_libs[request.param]
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """Triton's interpreter for CPU tensors (read at each launch): the Triton test files
+    use it for every test (``pytest.mark.usefixtures``)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -17,7 +17,6 @@ root the same operation on both sides, every result is the same bits.
 from __future__ import annotations
 
 import io
-import sys
 import warnings
 
 import pytest
@@ -25,14 +24,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import collage
-from collage.optim import compiled, dispatch, get_strategy, rounding
+from collage.optim import compiled, dispatch, get_strategy
 from collage.optim.triton import launch as launches
 from collage.optim.triton import path as triton_path
 from collage.optim.triton import plan as triton_plan
 
 from ._common import RULE_CASES, RuleCase, assert_bitwise_equal, weight_dtype
 
-pytestmark = pytest.mark.triton
+pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("triton_interpreter")]
 
 needs_triton = pytest.mark.skipif(launches.triton is None, reason="Triton is not installed")
 
@@ -44,12 +43,6 @@ SGD_NESTEROV = RuleCase("sgd_nesterov", collage.SGD,
                         {"lr": 5e-2, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-2})
 SGD_PLAIN = RuleCase("sgd_plain", collage.SGD, {"lr": 5e-2})
 RULES = (*RULE_CASES, SGD_NESTEROV, SGD_PLAIN)
-
-
-@pytest.fixture(autouse=True)
-def interpreter(monkeypatch):
-    """Triton's interpreter for CPU tensors (read at each launch)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 _TORCH_SQRT = torch.Tensor.sqrt
@@ -235,11 +228,23 @@ def test_the_plans_check_kernel_finds_every_non_finite_element(strategy, dtype, 
     element, a tail's last), skips the step (weights bitwise unchanged, one skip counted),
     and no finite value does (the result is the host-checked foreach path's, bit for
     bit)."""
+    _check_skips_like_foreach(strategy, dtype, where, value, 1000, verdict_on_device=True)
+
+
+def _check_skips_like_foreach(strategy: str, dtype: torch.dtype, where: int, value: float,
+                              first_size: int, verdict_on_device: bool = False) -> None:
+    """:func:`_planned_step_with` on the Triton plan and on the host-checked foreach path:
+    the same weights bit for bit, one skip counted by both where ``value`` is not finite,
+    none where it is. ``verdict_on_device``: also that the Triton step left its verdict on
+    the device (checked before ``skipped_steps`` reads it back)."""
     finite = value == value and abs(value) != float("inf")
-    got, opt = _planned_step_with(strategy, dtype, where, value, {"fused": "triton"})
-    want, ref = _planned_step_with(strategy, dtype, where, value, {"foreach": True})
+    got, opt = _planned_step_with(strategy, dtype, where, value, {"fused": "triton"},
+                                  first_size)
+    want, ref = _planned_step_with(strategy, dtype, where, value, {"foreach": True},
+                                   first_size)
     assert opt.last_paths == {0: "triton"}
-    assert isinstance(opt._device_skips, torch.Tensor)  # the verdict left on the device
+    if verdict_on_device:
+        assert isinstance(opt._device_skips, torch.Tensor)
     for a, b in zip(got, want):
         assert_bitwise_equal({"w": a}, {"w": b})
     if finite:
@@ -271,18 +276,7 @@ def test_the_check_kernel_finds_a_non_finite_element_in_any_group_of_blocks(
     one again). 60 whole blocks over the interpreter's 3 programs: 20 each, three groups of
     8, the last clamped; a non-finite value in any of them skips the step, a finite one
     does not (the host-checked foreach path's bits either way)."""
-    size = 60 * 256 + 100
-    finite = value == value and abs(value) != float("inf")
-    got, opt = _planned_step_with(strategy, dtype, where, value, {"fused": "triton"}, size)
-    want, ref = _planned_step_with(strategy, dtype, where, value, {"foreach": True}, size)
-    assert opt.last_paths == {0: "triton"}
-    for a, b in zip(got, want):
-        assert_bitwise_equal({"w": a}, {"w": b})
-    if finite:
-        assert opt.skipped_steps == 0 == ref.skipped_steps
-    else:
-        with pytest.warns(RuntimeWarning, match="skipped 1 step"):
-            assert opt.skipped_steps == 1 == ref.skipped_steps
+    _check_skips_like_foreach(strategy, dtype, where, value, 60 * 256 + 100)
 
 
 @needs_triton
@@ -379,118 +373,6 @@ def test_stochastic_draws_are_every_other_path_s():
     for seed in (0, 123):
         assert torch.equal(run({"fused": "triton"}, seed), run({"foreach": True}, seed))
     assert not torch.equal(run({"fused": "triton"}, 0), run({"fused": "triton"}, 123))
-
-
-@needs_triton
-def test_fma_is_correctly_rounded_in_the_interpreter():
-    """The interpreter's ``tl.fma`` rounds twice; ``kernels.arithmetic._fma_emulated`` must
-    give torch's fused multiply-add (``addcmul``) bit for bit, cancellations and tiny
-    results included."""
-    module = launches.kernel_module(True)
-    g = torch.Generator().manual_seed(0)
-    n = 4096
-    a = torch.randn(n, generator=g)
-    b = torch.randn(n, generator=g) * torch.exp2(torch.randint(-40, 40, (n,), generator=g))
-    c = torch.randn(n, generator=g)
-    c[: n // 2] = -(a * b)[: n // 2] * (1 + torch.randn(n // 2, generator=g) * 2.0**-20)
-    c[n // 2: n // 2 + 64] = 2.0**-140  # subnormal neighbourhood
-    out = torch.empty(n)
-    module.fma_probe[(n // 256,)](a, b, c, out, n, EMULATE_FMA=True, BLOCK=256)
-    assert torch.equal(out.view(torch.int32), torch.addcmul(c, a, b).view(torch.int32))
-
-
-@needs_triton
-def test_each_mode_executes_its_own_copy_of_every_kernel_module():
-    """``launch.kernel_module`` executes the ``kernels`` package once per mode: every module
-    of a mode's copy, and every ``@jit`` function it holds (its own and those it imports
-    from its siblings), is decorated in that mode. A helper shared between the copies would
-    run compiled code in the interpreter, or interpreted code on a GPU."""
-    from triton.runtime.interpreter import InterpretedFunction  # noqa: PLC0415 - optional
-    from triton.runtime.jit import JITFunction  # noqa: PLC0415
-
-    expected = {"codes", "arithmetic", "columns", "draws", "rules", "landings", "step",
-                "check"}
-    for interpret, kind in ((True, InterpretedFunction), (False, JITFunction)):
-        package = launches.kernel_module(interpret)
-        modules = {name.rpartition(".")[2]: module for name, module in sys.modules.items()
-                   if name.startswith(package.__name__ + ".")}
-        assert set(modules) == expected
-        kernels = [value for module in (package, *modules.values())
-                   for value in vars(module).values()
-                   if isinstance(value, (InterpretedFunction, JITFunction))]
-        assert len(kernels) > 40
-        assert all(isinstance(k, kind) for k in kernels), interpret
-    assert launches.kernel_module(True) is not launches.kernel_module(False)
-
-
-def _hard_stochastic_inputs() -> torch.Tensor:
-    """float32 values over every bf16 spacing (2**-133 ... 2**120): random significands at
-    every exponent, the subnormals, values a hair either side of bf16 values and of
-    midpoints, the largest finite values (whose upward neighbour is inf), zeros, inf, nan."""
-    g = torch.Generator().manual_seed(3)
-    exponents = torch.arange(-149, 128, dtype=torch.float32).repeat_interleave(16)
-    values = (1 + torch.rand(exponents.numel(), generator=g)) * torch.exp2(exponents)
-    bf = torch.randint(0, 0x7F80, (2048,), generator=g, dtype=torch.int32) << 16
-    near = torch.cat([bf + 1, bf - 1, bf + 0x8000, bf + 0x7FFF, bf | 0x1]).view(torch.float32)
-    special = torch.tensor([0.0, -0.0, 3.4028235e38, -3.4028235e38, 3.39e38, 1e-45, -1e-45,
-                            2.0**-133, 2.0**-126, float("inf"), float("-inf"), float("nan")])
-    x = torch.cat([values, near, special])
-    return torch.cat([x, -x])
-
-
-@needs_triton
-def test_stochastic_rounding_by_exponent_arithmetic_is_the_exact_division():
-    """The kernels divide by the bf16 spacing with exponent arithmetic
-    (``kernels.draws._over_spacing``): the rounding must be
-    ``rounding._stochastic_round_bf16``'s (an IEEE division, exact here: the spacing is a
-    power of two) bit for bit, for draws at
-    0, random ones, and ones at, just under and just over the probability (in float64 from
-    the binade's spacing; at a binade's lower edge the downward spacing is half that, so
-    there those draws are merely near it)."""
-    module = launches.kernel_module(True)
-    x = _hard_stochastic_inputs()
-    nearest = x.to(torch.bfloat16).double()
-    exact = ((x.double() - nearest).abs() / torch.where(torch.isfinite(nearest),
-             torch.exp2(torch.floor(torch.log2(nearest.abs().clamp_min(2.0**-126))) - 7),
-             torch.ones_like(nearest)))
-    g = torch.Generator().manual_seed(4)
-    at = exact.clamp(0, 1 - 2.0**-24).float()
-    for draw in (torch.zeros_like(x), at, torch.nextafter(at, torch.zeros_like(at)),
-                 torch.nextafter(at, torch.ones_like(at)), torch.rand(x.shape, generator=g)):
-        out = torch.empty(x.shape, dtype=torch.int16)
-        # one interpreted program per 4,096 elements (the interpreter's cost is per program)
-        module.stochastic_probe[(-(-x.numel() // 4096),)](x, draw, out, x.numel(), HW=False,
-                                                          BLOCK=4096)
-        expected = rounding._stochastic_round_bf16(x, draw).view(torch.int16)
-        assert torch.equal(out, expected)
-
-
-@needs_triton
-def test_stochastic_rounding_on_the_integer_view_is_the_reference_on_the_draws_grid():
-    """The step rounds from the top 16 bits of its 24-bit draws on the integer view alone
-    (``kernels.draws._stochastic_bf16_draw16``): for every draw on the 2**-24 grid (the
-    step's, ``draws.counter_uniform``) it must be ``rounding._stochastic_round_bf16`` bit
-    for bit: draws at 0, the largest, random ones, and at, one grid step under and over
-    the probability and its complement (both exact multiples of 2**-16 of the spacing),
-    and each with low bits that the top 16 do not see."""
-    module = launches.kernel_module(True)
-    x = _hard_stochastic_inputs()
-    low = x.view(torch.int32).to(torch.int64) & 0xFFFF
-    g = torch.Generator().manual_seed(5)
-    tops = [torch.zeros_like(low), torch.full_like(low, 0xFFFF),
-            torch.randint(0, 0x10000, x.shape, generator=g)]
-    for k in (low, 0x10000 - low):
-        tops += [k, k - 1, k + 1]
-    for top in tops:
-        for rest in (0, 0xFF, torch.randint(0, 0x100, x.shape, generator=g)):
-            u = (top.clamp(0, 0xFFFF) << 8) | rest
-            draw = (u.double() * 2.0**-24).float()
-            out = torch.empty(x.shape, dtype=torch.int16)
-            # one interpreted program per 4,096 elements (its cost is per program)
-            module.stochastic_draw16_probe[(-(-x.numel() // 4096),)](
-                x, draw, out, x.numel(), BLOCK=4096)
-            expected = rounding._stochastic_round_bf16(x, draw).view(torch.int16)
-            assert torch.equal(out, expected)
 
 
 class _CountedKernels:
