@@ -1,5 +1,5 @@
 """The Triton kernels' arithmetic on CPU, through Triton's interpreter, against exact
-references: the fused multiply-add, stochastic rounding to bf16 (both of its forms) over
+references: the fused multiply-add, stochastic rounding to bf16 over
 every bf16 spacing, and the per-mode copies of the kernel modules. The optimizer's steps
 through the same kernels are ``test_triton.py``'s."""
 
@@ -73,33 +73,6 @@ def _hard_stochastic_inputs() -> torch.Tensor:
                             2.0**-133, 2.0**-126, float("inf"), float("-inf"), float("nan")])
     x = torch.cat([values, near, special])
     return torch.cat([x, -x])
-
-
-@needs_triton
-def test_stochastic_rounding_by_exponent_arithmetic_is_the_exact_division():
-    """The kernels divide by the bf16 spacing with exponent arithmetic
-    (``kernels.draws._over_spacing``): the rounding must be
-    ``rounding._stochastic_round_bf16``'s (an IEEE division, exact here: the spacing is a
-    power of two) bit for bit, for draws at
-    0, random ones, and ones at, just under and just over the probability (in float64 from
-    the binade's spacing; at a binade's lower edge the downward spacing is half that, so
-    there those draws are merely near it)."""
-    module = launches.kernel_module(True)
-    x = _hard_stochastic_inputs()
-    nearest = x.to(torch.bfloat16).double()
-    exact = ((x.double() - nearest).abs() / torch.where(torch.isfinite(nearest),
-             torch.exp2(torch.floor(torch.log2(nearest.abs().clamp_min(2.0**-126))) - 7),
-             torch.ones_like(nearest)))
-    g = torch.Generator().manual_seed(4)
-    at = exact.clamp(0, 1 - 2.0**-24).float()
-    for draw in (torch.zeros_like(x), at, torch.nextafter(at, torch.zeros_like(at)),
-                 torch.nextafter(at, torch.ones_like(at)), torch.rand(x.shape, generator=g)):
-        out = torch.empty(x.shape, dtype=torch.int16)
-        # one interpreted program per 4,096 elements (the interpreter's cost is per program)
-        module.stochastic_probe[(-(-x.numel() // 4096),)](x, draw, out, x.numel(), HW=False,
-                                                          BLOCK=4096)
-        expected = rounding._stochastic_round_bf16(x, draw).view(torch.int16)
-        assert torch.equal(out, expected)
 
 
 @needs_triton

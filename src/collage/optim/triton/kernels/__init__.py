@@ -51,8 +51,7 @@ from __future__ import annotations
 
 from .arithmetic import fma_probe
 from .check import nonfinite_check
-from .draws import stochastic_draw16_probe, stochastic_probe
+from .draws import stochastic_draw16_probe
 from .step import multi_tensor_step
 
-__all__ = ["multi_tensor_step", "nonfinite_check", "fma_probe", "stochastic_probe",
-           "stochastic_draw16_probe"]
+__all__ = ["multi_tensor_step", "nonfinite_check", "fma_probe", "stochastic_draw16_probe"]
