@@ -58,434 +58,45 @@ variant.
 from __future__ import annotations
 
 import argparse
-import collections
-import importlib.util
 import json
-import re
-import subprocess
 import sys
-import tempfile
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 import collage
-from collage.bench.common import gpt_shapes, strategy_bytes
+from collage.bench.common import strategy_bytes
 from collage.optim import get_strategy
 from collage.optim.rules import RULES
-from collage.optim import nonfinite as nonfinite_policy
 from collage.optim.triton import launch as launches
 from collage.optim.triton import layout
 
-ROOT = Path(__file__).resolve().parents[1]
-TRITON = "src/collage/optim/triton"
+# The model's parts live beside this file (gpu_sass: compiling and reading the SASS;
+# gpu_timing: the warp and the step; gpu_host: the host's time). Run as a script, this
+# folder is already first on the path; loaded by its path (the tests, importlib) it is not.
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
+# Besides what this file uses, the names the tests and benchmarks/host_time.py read from
+# ``gpu_model`` (they predate the split): ``control``, ``Sass``, ``loop_timing``,
+# ``_check_as_on_a_gpu``, ...
+from gpu_host import (  # noqa: E402 - after this folder is on the path
+    LAUNCH_HOST_S, _check_as_on_a_gpu, host_seconds, host_seconds_on_gpu)
+from gpu_sass import (  # noqa: E402
+    ROOT, TRITON, Sass, calibration_kernels, compile_plain, compile_variant, control,
+    fast_path, fast_path_indices, kernels_at, memory_ops, read_sass, spills, tools_available)
+from gpu_timing import (  # noqa: E402
+    GPUS, ISSUE_EFFICIENCY, LATENCY, Gpu, Launched, LoopTiming, kernel_seconds,
+    launched_variants, loop_timing, predict, predictions, resident_programs, step_elements,
+    tile_cycles)
 
-@dataclass(frozen=True)
-class Gpu:
-    """What the model needs of a GPU (datasheet figures)."""
-
-    name: str
-    arch: int
-    sms: int
-    clock_hz: float
-    bandwidth: float  # datasheet HBM bytes/s
-    efficiency: float = 0.9  # achievable fraction (a plain copy's, as measured on H200)
-    issue_per_clock: int = 4  # warp-instructions per SM per clock (4 schedulers)
-
-    @property
-    def achievable(self) -> float:
-        return self.efficiency * self.bandwidth
-
-    @property
-    def thread_instructions_per_s(self) -> float:
-        return self.sms * self.issue_per_clock * 32 * self.clock_hz
-
-
-GPUS = {90: Gpu("H200", 90, 132, 1.98e9, 4.8e12), 80: Gpu("A100-80GB", 80, 108, 1.41e9,
-                                                          2.039e12)}
 SIZES = {"100m": "100m", "1b": "1b"}
 #: The H200 run of the kernels before #29 (docs/gpu.md): AdamW at 1B parameters,
 #: fraction of the achievable bandwidth measured, without the non-finite check
 H200_MEASURED_1B = {"fp32": 0.80, "bf16": 0.57, "light": 0.54, "plus": 0.52}
-_BIN = Path(launches.triton.__file__).parent / "backends" / "nvidia" / "bin" \
-    if launches.triton is not None else None
-
-
-# ---------------------------------------------------------------------------------------
-# compiling a variant
-# ---------------------------------------------------------------------------------------
-
-
-def tools_available() -> bool:
-    """Whether Triton's NVIDIA backend and its disassembler are here."""
-    return _BIN is not None and (_BIN / "nvdisasm").exists() and (_BIN / "cuobjdump").exists()
-
-
-def kernels_at(revision: str | None) -> ModuleType:
-    """The Triton kernels compiled (not interpreted), as they are or as they were at
-    ``revision``: the module ``kernels.py`` before 2026-12-06, the package ``kernels/``
-    since (each beside ``layout.py``, which they import)."""
-    if revision is None:
-        return launches.kernel_module(False)
-    folder = Path(tempfile.mkdtemp(prefix="collage-kernels-")) / "old_triton"
-    listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", revision,
-                             f"{TRITON}/"], capture_output=True, text=True, check=True).stdout
-    names = [line.rsplit("/", 1)[-1] for line in listed.split()]
-    wanted = ["layout.py", "kernels"] if "kernels" in names else ["layout.py", "kernels.py"]
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision,
-                              *(f"{TRITON}/{name}" for name in wanted)],
-                             capture_output=True, check=True).stdout
-    folder.mkdir()
-    subprocess.run(["tar", "-x", "-C", str(folder), f"--strip-components={TRITON.count('/') + 1}"],
-                   input=archive, check=True)
-    (folder / "__init__.py").write_text("")
-    sys.path.insert(0, str(folder.parent))
-    package = folder / "kernels"
-    location = package / "__init__.py" if package.is_dir() else folder / "kernels.py"
-    spec = importlib.util.spec_from_file_location(
-        "old_triton.kernels", location,
-        submodule_search_locations=[str(package)] if package.is_dir() else None)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["old_triton.kernels"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def compile_variant(function, constants: dict, arch: int) -> bytes:
-    """The cubin of ``function`` with ``constants`` (those it declares) for ``sm_<arch>``,
-    with the launcher's options."""
-    from triton.backends.compiler import GPUTarget  # noqa: PLC0415 - optional backend
-    from triton.compiler import ASTSource  # noqa: PLC0415
-
-    names = function.arg_names
-    declared = {k: v for k, v in constants.items() if k in names}
-    signature = {name: layout.ARGUMENT_TYPES.get(name, "constexpr") for name in names}
-    missing = [n for n in names if signature[n] == "constexpr" and n not in declared]
-    if missing:
-        raise KeyError(f"no value for the kernel's arguments {missing}: add them to "
-                       "layout.ARGUMENT_TYPES (runtime) or the variant's flags (constexpr)")
-    source = ASTSource(function, signature,
-                       constexprs={(names.index(k),): v for k, v in declared.items()})
-    compiled = launches.triton.compile(source, target=GPUTarget("cuda", arch, 32), options={
-        "num_warps": launches.GPU_WARPS, "enable_fp_fusion": False})
-    return compiled.asm["cubin"]
-
-
-# ---------------------------------------------------------------------------------------
-# reading the SASS
-# ---------------------------------------------------------------------------------------
-
-_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
-_LABEL = re.compile(r"^(\.L_x_\d+|\$?[\w$.]+):\s*$")
-
-
-@dataclass
-class Sass:
-    """A kernel's instructions, in order: (opcode, predicated, operands), and labels by
-    instruction index; ``controls``: each instruction's sm_70+ control code (stall cycles,
-    write and read scoreboards, 7 for none, and the mask of scoreboards it waits on)."""
-
-    instructions: list[tuple[str, bool, str]]
-    labels: dict[str, int]
-    registers: int
-    local_bytes: int
-    controls: list[tuple[int, int, int, int]] = field(default_factory=list)
-
-
-_HEX = re.compile(r"^\s*/\*\s*0x([0-9a-f]{16})\s*\*/\s*$")
-
-
-def control(high: int) -> tuple[int, int, int, int]:
-    """(stall, write scoreboard, read scoreboard, wait mask) of an instruction, from the
-    high 64 bits of its 128-bit encoding (Volta and later: bits 105-108 the stall count,
-    110-112 the scoreboard its result sets, 113-115 the one its operands' read releases, 7
-    for none, 116-121 the scoreboards it waits on before it issues)."""
-    bits = high >> 41
-    return bits & 0xF, (bits >> 5) & 7, (bits >> 8) & 7, (bits >> 11) & 0x3F
-
-
-def read_sass(cubin: bytes) -> Sass:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
-        handle.write(cubin)
-        handle.flush()
-        text = subprocess.run([str(_BIN / "nvdisasm"), "-c", "-hex", handle.name],
-                              capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([str(_BIN / "cuobjdump"), "-res-usage", handle.name],
-                               capture_output=True, text=True, check=True).stdout
-    instructions, labels, controls = [], {}, []
-    for line in text.splitlines():
-        label = _LABEL.match(line.strip())
-        if label:
-            labels[label.group(1)] = len(instructions)
-            continue
-        match = _INSTRUCTION.search(line)
-        if match:
-            instructions.append((match.group(3), bool(match.group(2)), match.group(4)))
-            continue
-        high = _HEX.match(line)
-        if high and len(controls) < len(instructions):
-            controls.append(control(int(high.group(1), 16)))
-    registers = int(re.search(r"REG:(\d+)", usage).group(1))
-    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
-    return Sass(instructions, labels, registers, local, controls)
-
-
-def _target(operands: str) -> str | None:
-    found = re.search(r"`\(([^)]+)\)", operands)
-    return found.group(1) if found else None
-
-
-def fast_path(sass: Sass) -> list[str]:
-    """The opcodes a warp issues per tile on the fast path: the persistent loop's body
-    (from a backward branch's target to the branch) or, without a loop, the kernel up to
-    its last ``EXIT`` before the subroutines; minus the regions a predicated forward branch
-    skips that hold a ``CALL`` (the IEEE square root's and division's slow paths, which
-    the fast path jumps over)."""
-    return [sass.instructions[i][0] for i in fast_path_indices(sass)[1]]
-
-
-def fast_path_indices(sass: Sass) -> tuple[int, list[int]]:
-    """(where the fast path starts, its instructions' indices): :func:`fast_path`'s
-    instructions, as positions in ``sass.instructions``."""
-    ops = sass.instructions
-    start, stop = 0, len(ops)
-    for index, (opcode, _, operands) in enumerate(ops):
-        target = _target(operands)
-        if opcode == "BRA" and target in sass.labels and sass.labels[target] <= index:
-            if sass.labels[target] < index:  # not the trailing self-loop
-                start, stop = sass.labels[target], index + 1
-                break
-    else:
-        exits = [i for i, (opcode, predicated, _) in enumerate(ops)
-                 if opcode == "EXIT" and not predicated]
-        stop = exits[0] + 1 if exits else len(ops)
-    skipped = set()
-    for index in range(start, stop):
-        opcode, predicated, operands = ops[index]
-        target = _target(operands)
-        if opcode == "BRA" and predicated and target in sass.labels:
-            end = sass.labels[target]
-            if index < end <= index + _SLOW_PATH and any(
-                    o.startswith("CALL") for o, _, _ in ops[index + 1:end]):
-                skipped.update(range(index + 1, end))
-    return start, [i for i in range(start, stop) if i not in skipped]
-
-
-#: The most instructions a slow path's branch skips (a call and its arguments moved): a
-#: longer skipped region holding calls is a conditional tile, on the fast path
-_SLOW_PATH = 32
-
-
-def memory_ops(opcodes: list[str]) -> dict[str, int]:
-    return dict(sorted(collections.Counter(
-        o for o in opcodes if o.startswith(("LDG", "STG", "LDL", "STL"))).items()))
-
-
-def spills(sass: Sass, opcodes: list[str]) -> int:
-    """The kernel's local memory (bytes) and its fast path's local loads and stores: 0
-    where nothing spills."""
-    return sass.local_bytes + sum(o.startswith(("LDL", "STL")) for o in opcodes)
-
-
-# ---------------------------------------------------------------------------------------
-# what hides latency: a warp's loop from the SASS's scoreboards, Little's law per SM
-# ---------------------------------------------------------------------------------------
-
-#: Latencies in clocks. ``dram``: a load that misses the caches under load, 700 ns at the
-#: H200's 1.98 GHz (issue #44's figure, with which Little's law asks 4.32 TB/s x 700 ns /
-#: 132 SMs = 23 KB in flight per SM); the H200 run does not pin it (below, "calibration").
-#: ``cached``: a load of the launch's small tables (the tile list, the table's addresses,
-#: the coefficients: read by every program, so they stay in L2), an assumption (not
-#: measured); ``short``: any other variable-latency instruction (constants, special
-#: registers, the multi-function unit), an assumption.
-LATENCY = {"dram": 1386, "cached": 300, "short": 24}
-#: Warp-instructions an SM issues per clock, as a fraction of its 4 schedulers' peak: the
-#: issue term, fitted to the H200 run (``calibrate``)
-ISSUE_EFFICIENCY = 0.82
-
-_REGISTER = re.compile(r"\bR(\d+)(\.64)?\b")
-_NO_DESTINATION = ("ST", "RED", "BRA", "EXIT", "BSSY", "BSYNC", "BAR", "CALL", "RET",
-                   "NOP", "WARPSYNC", "ISETP", "FSETP", "DSETP", "PLOP3", "UISETP", "MEMBAR",
-                   "ERRBAR", "CCTL", "YIELD", "BPT")
-
-
-def _width(opcode: str) -> int:
-    """Bytes a thread's global load or store moves."""
-    for suffix, size in ((".128", 16), (".64", 8), (".U16", 2), (".S16", 2), (".U8", 1),
-                         (".S8", 1)):
-        if suffix in opcode:
-            return size
-    return 4
-
-
-def _registers(text: str) -> set[int]:
-    out = set()
-    for number, wide in _REGISTER.findall(text):
-        out.update(range(int(number), int(number) + (2 if wide else 1)))
-    return out
-
-
-def _destination(opcode: str, operands: str) -> set[int]:
-    """The general registers an instruction writes (its first operand)."""
-    if opcode.startswith(_NO_DESTINATION) or opcode.startswith("U"):
-        return set()
-    first = operands.split(",")[0]
-    match = re.match(r"\s*R(\d+)\b", first)
-    if not match:
-        return set()
-    count = 4 if opcode.endswith(".128") else 2 if (
-        ".64" in opcode or ".WIDE" in opcode) else 1
-    return set(range(int(match.group(1)), int(match.group(1)) + count))
-
-
-@dataclass
-class LoopTiming:
-    """One warp's persistent loop (or, without one, its whole kernel), read off the SASS."""
-
-    instructions: int  # warp-instructions issued per tile on the fast path
-    cycles: float  # a warp's iteration alone: issue stalls and the waits the window leaves
-    window: int  # instructions a warp issues per iteration while one of its data loads is
-    #              in flight (issued, not yet waited on): the work that hides their latency
-    bytes_in_flight: int  # the most data bytes a thread has in flight at a wait on them
-    data_bytes: int  # data bytes a thread loads per iteration (the tiles it steps)
-    data_waits: int  # waits that stall on a data load's scoreboard per iteration
-    cached_waits: int  # the same on a table or coefficient load's
-
-
-def loop_timing(sass: Sass, latency: dict | None = None) -> LoopTiming:
-    """Run one warp through the fast path (the loop three times, the third timed) with the
-    control codes: each instruction issues after its stall count and after every
-    scoreboard it waits on is released; a load releases its scoreboard ``latency`` clocks
-    after it issues (``dram`` where its address depends on the thread's index: a tile's
-    data; ``cached`` for the uniform ones: the tile list, table, coefficients). A data
-    load is in flight from its issue to the first wait on its scoreboard (a wait releases
-    every load on it: a coefficient or a later tile's load that shares the scoreboard is
-    waited for too)."""
-    latency = latency or LATENCY
-    start, body = fast_path_indices(sass)
-    looped = start > 0 or body[-1] + 1 < len(sass.instructions) and \
-        sass.instructions[body[-1]][0] == "BRA"
-    passes = 3 if looped else 1
-    stream = list(range(start)) if looped else []
-    stream_body = [(p, i) for p in range(passes) for i in body]
-    tid: set[int] = set()
-    ready = [0.0] * 7  # the clock each scoreboard is released at
-    pending: list[list[tuple[int, int, int]]] = [[] for _ in range(7)]  # (pass, count, bytes)
-    clock = 0.0
-    window = flight = data_waits = cached_waits = 0
-    marks = {}
-
-    def dataflow(i: int) -> bool:
-        opcode, predicated, operands = sass.instructions[i]
-        destination = _destination(opcode, operands)
-        sources = _registers(operands.split(",", 1)[1] if "," in operands else "")
-        depends = "SR_TID" in operands or "SR_LANEID" in operands or bool(sources & tid)
-        is_data = opcode.startswith("LDG") and bool(_registers(operands.split(",", 1)[1]
-                                                              ) & tid)
-        if depends:
-            tid.update(destination)
-        elif not predicated:
-            tid.difference_update(destination)
-        return is_data
-
-    for i in stream:
-        dataflow(i)
-    for current, i in stream_body:
-        timed = current == passes - 1
-        if timed and i == body[0]:
-            marks["start"] = clock
-        opcode, _, operands = sass.instructions[i]
-        stall, write, read, wait = sass.controls[i]
-        is_data = dataflow(i)
-        for board in range(6):
-            if wait >> board & 1:
-                kinds = {k for _, _, k in pending[board]}
-                if timed and clock < ready[board]:
-                    data_waits += "data" in kinds
-                    cached_waits += "data" not in kinds and "cached" in kinds
-                if timed and "data" in kinds:
-                    flight = max(flight, sum(c for _, c, k in sum(pending, []) if k == "data"))
-                clock = max(clock, ready[board])
-                pending[board] = []
-        if timed and any(k == "data" for _, _, k in sum(pending, [])):
-            window += 1  # issued while a data load of this warp is in flight
-        kind = "data" if is_data else "cached" if opcode.startswith("LDG") else "short"
-        if write != 7:
-            ready[write] = max(ready[write], clock + latency["dram" if is_data else kind])
-            pending[write].append((current, _width(opcode) if is_data else 0, kind))
-        if read != 7:
-            ready[read] = max(ready[read], clock + latency["short"])
-        clock += max(stall, 1)
-    cycles = clock - marks.get("start", 0.0)
-    loaded = 0
-    tid.clear()
-    for i in list(range(start)) + (body if looped else []):
-        dataflow(i)  # the registers a loop carries from one iteration to the next
-    for i in body:
-        loaded += _width(sass.instructions[i][0]) if dataflow(i) else 0
-    return LoopTiming(len(body), cycles, window, flight, loaded, data_waits, cached_waits)
-
-
-def resident_programs(registers: int, per_sm_launched: float, warps: int) -> int:
-    """Programs of ``warps`` warps an SM holds at once: its 65,536 registers (allocated
-    per warp in 256s, so a thread's count rounded up to 8), 64 warps, 32 blocks; and no
-    more than the launch gives it (``per_sm_launched``: programs per SM in the grid)."""
-    by_registers = 65536 // (-(-registers // 8) * 8 * 32 * warps)
-    return max(1, int(min(by_registers, 64 // warps, 32, per_sm_launched)))
-
-
-def tile_cycles(gpu: Gpu, timing: LoopTiming, programs: int, tile_bytes: float,
-                efficiency: float = ISSUE_EFFICIENCY, latency: dict | None = None
-                ) -> dict:
-    """Clocks an SM spends per tile (``BLOCK`` elements, one program's 4 warps, one on each
-    scheduler) with ``programs`` resident, the larger of:
-
-    * throughput: the tile's bytes at the SM's share of the achievable bandwidth, plus
-      the instructions each scheduler issues for it (``instructions / efficiency``),
-      less the share of those issued inside the overlap window (the data loads already
-      in flight), at most the memory time: ``memory + issue - min(memory, issue x
-      window / instructions)``. The H200 run of one-tile programs (no window) fits
-      ``memory + issue``: the arithmetic of a tile did not hide another's traffic;
-    * latency (Little's law): each resident warp needs ``timing.cycles`` per tile on its
-      own (its waits included), so an SM finishes ``programs`` tiles per that time; the
-      bytes those warps have in flight, ``programs x 128 x bytes_in_flight``, against the
-      ``bandwidth x latency`` per SM that Little's law asks for, is reported beside it.
-    """
-    per_sm = gpu.achievable / gpu.sms / gpu.clock_hz  # bytes a clock
-    memory = tile_bytes / per_sm
-    issue = timing.instructions / efficiency
-    hidden = min(memory, issue * timing.window / max(timing.instructions, 1))
-    throughput = memory + issue - hidden
-    latency_bound = timing.cycles / programs
-    in_flight = programs * 32 * launches.GPU_WARPS * timing.bytes_in_flight
-    asked = per_sm * (latency or LATENCY)["dram"]
-    return {"cycles": max(throughput, latency_bound), "memory": memory,
-            "throughput": throughput, "latency": latency_bound,
-            "bytes_in_flight_per_sm": in_flight, "little_bytes_per_sm": round(asked)}
-
-
-def kernel_seconds(gpu: Gpu, timing: LoopTiming, registers: int, n: float,
-                   nbytes: float, persistent: bool, efficiency: float = ISSUE_EFFICIENCY,
-                   latency: dict | None = None, tiles_per_iteration: int = 1
-                   ) -> tuple[float, dict]:
-    """A launch over ``n`` elements: ``n / BLOCK`` tiles spread over the SMs, each
-    iteration of a program's loop ``tiles_per_iteration`` of them (:func:`tile_cycles`);
-    ``persistent``: ``PROGRAMS_PER_SM`` programs an SM (the launch's grid), else one
-    program a tile (as many resident as the registers allow)."""
-    tiles = n / launches.GPU_BLOCK
-    launched = launches.PROGRAMS_PER_SM if persistent else tiles / gpu.sms
-    programs = resident_programs(registers, launched, launches.GPU_WARPS)
-    per_tile = tile_cycles(gpu, timing, programs,
-                           launches.GPU_BLOCK * nbytes * tiles_per_iteration, efficiency,
-                           latency)
-    per_tile["programs"] = programs
-    per_tile["tiles_per_iteration"] = tiles_per_iteration
-    return tiles / tiles_per_iteration / gpu.sms * per_tile["cycles"] / gpu.clock_hz, \
-        per_tile
 
 
 # ---------------------------------------------------------------------------------------
@@ -550,179 +161,8 @@ def _loop_flags(masked: bool) -> dict:
 
 
 # ---------------------------------------------------------------------------------------
-# calibration kernels: a copy and a plain float32 AdamW
+# the rows: each variant compiled, read and timed
 # ---------------------------------------------------------------------------------------
-
-
-def calibration_kernels() -> list[tuple[str, object, dict, int]]:
-    """(name, jit function, signature, bytes per element): a float32 copy and a plain
-    float32 AdamW with IEEE square root and division (torch's fused AdamW's arithmetic)."""
-    triton, tl = launches.triton, launches.triton.language
-    with launches._mode(False):  # compiled, whatever TRITON_INTERPRET says
-        return _calibration_kernels(triton, tl)
-
-
-def _calibration_kernels(triton, tl) -> list[tuple[str, object, dict, int]]:
-    @triton.jit
-    def copy(src, dst, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(dst + offs, tl.load(src + offs))
-
-    @triton.jit
-    def adamw(w, g, m, v, b1, b2, bc2, eps, step_size, decay, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        grad = tl.load(g + offs)
-        mm = tl.load(m + offs) * b1 + grad * (1 - b1)
-        vv = tl.load(v + offs) * b2 + grad * grad * (1 - b2)
-        denom = tl.div_rn(tl.sqrt_rn(vv), bc2) + eps
-        tl.store(m + offs, mm)
-        tl.store(v + offs, vv)
-        tl.store(w + offs, tl.load(w + offs) * decay - tl.div_rn(mm * step_size, denom))
-
-    scalars = {n: "fp32" for n in ("b1", "b2", "bc2", "eps", "step_size", "decay")}
-    return [("copy", copy, {"src": "*fp32", "dst": "*fp32", "BLOCK": "constexpr"}, 8),
-            ("plain fp32 AdamW", adamw, {**{n: "*fp32" for n in "wgmv"}, **scalars,
-                                         "BLOCK": "constexpr"}, 28)]
-
-
-def _compile_plain(function, signature: dict, arch: int) -> bytes:
-    from triton.backends.compiler import GPUTarget  # noqa: PLC0415 - optional backend
-    from triton.compiler import ASTSource  # noqa: PLC0415
-
-    names = function.arg_names
-    source = ASTSource(function, signature,
-                       constexprs={(names.index("BLOCK"),): launches.GPU_BLOCK})
-    return launches.triton.compile(source, target=GPUTarget("cuda", arch, 32), options={
-        "num_warps": launches.GPU_WARPS, "enable_fp_fusion": False}).asm["cubin"]
-
-
-# ---------------------------------------------------------------------------------------
-# the model
-# ---------------------------------------------------------------------------------------
-
-
-def predict(gpu: Gpu, n: float, nbytes: float, instructions: float, overlapped: bool,
-            check_bytes: float = 0.0, host_s: float = 0.0, host_hidden: bool = False
-            ) -> float:
-    """The predicted fraction of the achievable bandwidth of a step of ``n`` elements (see
-    the module docstring). ``host_hidden``: the host's time runs while the device works
-    (``step()`` never waits for the device, so in a loop of steps the slower of the two
-    sets the pace) instead of before it."""
-    memory = n * nbytes / gpu.achievable
-    compute = n * instructions / gpu.thread_instructions_per_s
-    kernel = max(memory, compute) if overlapped else memory + compute
-    device = kernel + n * check_bytes / gpu.achievable
-    step = max(device, host_s) if host_hidden else device + host_s
-    return n * (nbytes + check_bytes) / gpu.achievable / step
-
-
-def _check_as_on_a_gpu(grads: list[torch.Tensor]) -> torch.Tensor:
-    """``nonfinite.nonfinite_flag``'s GPU form (one multi-tensor max-norm), whatever the
-    device: the CPU's per-tensor form is not what a GPU's host runs. (A planned default
-    step does not call it: its plan's check kernels read the gradients.)"""
-    extremes = torch.stack(torch._foreach_norm(grads, float("inf")))
-    return (~torch.isfinite(extremes).all()).to(torch.float32)
-
-
-#: The host time of one Triton kernel launch (the Python launcher: binding ~30 arguments,
-#: the specialization key, the driver call): an estimate, not measured (no GPU here); the
-#: stubbed launches of :func:`host_seconds` are counted and priced at it.
-#: ``benchmarks/gpu_check.sh`` measures a step's host time on a GPU.
-LAUNCH_HOST_S = 20e-6
-
-
-def _kernel_launches(size: str) -> int:
-    """The kernels one ``launch.launch`` or ``launch.check`` call runs for a bucket of
-    ``size``'s tensors at their real sizes: one (whole blocks and tails share a launch)."""
-    return int(any(torch.Size(shape).numel() for _, shape in gpt_shapes(size)))
-
-
-def host_seconds_on_gpu(size: str, device: str = "cuda", repeats: int = 30
-                        ) -> dict[str, float]:
-    """:func:`host_seconds` measured on a GPU's host, nothing stubbed: ``plus`` (the default
-    path there: the Triton kernels) over ``size``'s tensors at their real shapes, the
-    thread CPU time of ``step()`` alone (the device synchronised before each step, so that
-    a full launch queue never blocks it), least of ``repeats``; and torch's fused AdamW on
-    float32 weights, the same way (``torch_fused``). Launches included (``*_launches``: 0,
-    nothing to add)."""
-    shapes = [shape for _, shape in gpt_shapes(size)]
-
-    def least(opt: torch.optim.Optimizer) -> float:
-        times = []
-        for _ in range(repeats):
-            torch.cuda.synchronize(device)
-            start = time.thread_time()
-            opt.step()
-            times.append(time.thread_time() - start)
-        torch.cuda.synchronize(device)
-        return min(times[2:])
-
-    def params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
-        made = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
-                for shape in shapes]
-        for p in made:
-            p.grad = torch.full_like(p, 1e-3)
-        return made
-
-    out: dict[str, float] = {}
-    for policy in ("skip", "ignore"):
-        python = least(collage.AdamW(params(torch.bfloat16), lr=1e-4, strategy="plus",
-                                     nonfinite=policy))
-        out.update({policy: python, f"{policy}_python": python, f"{policy}_launches": 0})
-    out["torch_fused"] = least(torch.optim.AdamW(params(torch.float32), lr=1e-4,
-                                                 fused=True))
-    out["measured_on"] = torch.cuda.get_device_name(device)
-    return out
-
-
-def host_seconds(size: str, repeats: int = 40) -> dict[str, float]:
-    """Host time of one default step (``nonfinite="skip"``: verdict on the device) and one
-    planned ``nonfinite="ignore"`` step of ``plus`` over ``size``'s tensors (shapes kept,
-    4 elements each, so that no data work is timed), on this machine's CPU with the Triton
-    launches stubbed (counted, and priced at :data:`LAUNCH_HOST_S` each) and the per-tensor
-    check in its GPU form: the Python and the small torch operations a GPU's host would run
-    (each a launch there; here a CPU operation on a 0-d or small tensor, of about the same
-    host cost). The least thread CPU time of ``repeats`` steps: what the step costs this
-    CPU, not the other processes sharing its two cores (wall-clock medians on a busy
-    machine vary by 2x). Keys: ``skip`` and ``ignore`` (Python and launches, seconds),
-    ``<policy>_python`` and ``<policy>_launches`` (kernel launches per step)."""
-    import os  # noqa: PLC0415 - the interpreter flag, read when the path is chosen
-
-    saved_flag = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors take the Triton path (not run)
-    params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
-              for _ in gpt_shapes(size)]
-    saved = launches.launch, launches.check, nonfinite_policy.nonfinite_flag
-    counted, per_call = [0], _kernel_launches(size)
-
-    def count(*args, **kwargs) -> None:
-        counted[0] += per_call
-
-    launches.launch = launches.check = count
-    nonfinite_policy.nonfinite_flag = _check_as_on_a_gpu
-    try:
-        out = {}
-        for policy in ("skip", "ignore"):
-            opt = collage.AdamW(params, lr=1e-4, strategy="plus", fused="triton",
-                                nonfinite=policy)
-            times = []
-            for _ in range(repeats):
-                for p in params:
-                    p.grad = torch.ones_like(p)
-                counted[0] = 0
-                start = time.thread_time()
-                opt.step()
-                times.append(time.thread_time() - start)
-            out[f"{policy}_python"] = min(times[2:])
-            out[f"{policy}_launches"] = counted[0]  # the last (planned) step's
-            out[policy] = out[f"{policy}_python"] + counted[0] * LAUNCH_HOST_S
-        return out
-    finally:
-        launches.launch, launches.check, nonfinite_policy.nonfinite_flag = saved
-        if saved_flag is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved_flag
 
 
 @dataclass
@@ -758,83 +198,6 @@ class Row:
     roofline_1b_overlap: float
     roofline_1b_no_overlap: float
     roofline_100m_host_hidden: float
-
-
-#: the elements of the two sizes' steps (GPT-style shapes, ``bench.common.gpt_shapes``)
-def _elements(size: str) -> int:
-    return sum(torch.Size(s).numel() for _, s in gpt_shapes(size))
-
-
-@dataclass
-class Launched:
-    """A kernel variant as one size's launch compiles it, read and timed."""
-
-    name: str
-    sass: Sass
-    timing: LoopTiming
-    persistent: bool
-    function: object = None
-
-    def seconds(self, gpu: Gpu, n: float, nbytes: float, read_bytes: float,
-                efficiency: float, latency: dict | None) -> tuple[float, dict]:
-        """Its time over ``n`` elements of ``nbytes`` each, ``read_bytes`` of them read:
-        the tiles one iteration of its loop steps are the data a thread loads there over
-        one tile's (the check reads ``CHECK_TILES`` tiles an iteration, the step two)."""
-        per_thread = launches.GPU_BLOCK // (32 * launches.GPU_WARPS)
-        tiles = max(1, round(self.timing.data_bytes / (read_bytes * per_thread)))
-        return kernel_seconds(gpu, self.timing, self.sass.registers, n, nbytes,
-                              self.persistent, efficiency, latency, tiles)
-
-
-def _launched(function, flags: dict, arch: int, name: str, persistent: bool) -> Launched:
-    sass = read_sass(compile_variant(function, flags, arch))
-    return Launched(name, sass, loop_timing(sass), persistent, function)
-
-
-def launched_variants(function, flags: dict, arch: int, variant: str, persistent: bool
-                      ) -> dict[str, Launched]:
-    """The variants a launch compiles for the 1B and 100M steps (``gpt_shapes``): at 1B
-    every tensor is a multiple of ``BLOCK`` (no tails: ``TAILS=False``), at 100M 86 of
-    148 are not (both loops); the ``tail`` row: a bucket of partial blocks only. The
-    kernels before whole blocks and tails shared a launch (``--revision``): one tile a
-    program, whole blocks unmasked, the same at both sizes."""
-    if not persistent:
-        one = _launched(function, flags, arch, "one tile a program (MASKED=False)", False)
-        return {"1b": one, "100m": one}
-    if variant == "tail":
-        one = _launched(function, flags, arch, "TAILS only", True)
-        return {"1b": one, "100m": one}
-    tails = {size: any(torch.Size(s).numel() % launches.GPU_BLOCK for _, s in
-                       gpt_shapes(size)) for size in ("1b", "100m")}
-    out = {}
-    for size in ("1b", "100m"):
-        named = "WHOLE+TAILS" if tails[size] else "WHOLE"
-        same = [v for v in out.values() if v.name == named]
-        out[size] = same[0] if same else _launched(function, {**flags, "TAILS": tails[size]},
-                                                   arch, named, True)
-    return out
-
-
-def predictions(gpu: Gpu, step: dict[str, Launched], check: dict[str, Launched] | None,
-                nbytes: float, grad_bytes: float, host_s: float,
-                efficiency: float = ISSUE_EFFICIENCY, latency: dict | None = None,
-                read_bytes: float | None = None) -> dict:
-    """The fraction of the achievable bandwidth a step (its kernel and, where given, the
-    check's) reaches at 1B and 100M parameters, the host's time added or hidden."""
-    out = {}
-    for size in ("1b", "100m"):
-        n = _elements(size)
-        seconds, figures = step[size].seconds(gpu, n, nbytes, read_bytes or nbytes,
-                                              efficiency, latency)
-        moved = nbytes
-        if check is not None:
-            seconds += check[size].seconds(gpu, n, grad_bytes, grad_bytes, efficiency,
-                                           latency)[0]
-            moved += grad_bytes
-        ideal = n * moved / gpu.achievable
-        out[size] = {"added": ideal / (seconds + host_s),
-                     "hidden": ideal / max(seconds, host_s), "figures": figures}
-    return out
 
 
 def _check_kernels(module: ModuleType, arch: int, persistent: bool
@@ -877,9 +240,11 @@ def _row(gpu: Gpu, spec: dict, sass: Sass, launched: dict[str, Launched], result
         round(result["1b"]["hidden"], 3), round(result["1b"]["added"], 3),
         round(result["100m"]["added"], 3), round(result["100m"]["added"], 3),
         round(result["100m"]["hidden"], 3), host_s,
-        round(predict(gpu, _elements("1b"), nbytes, per_element, looped, check_bytes), 3),
-        round(predict(gpu, _elements("1b"), nbytes, per_element, False, check_bytes), 3),
-        round(predict(gpu, _elements("100m"), nbytes, per_element, looped, check_bytes,
+        round(predict(gpu, step_elements("1b"), nbytes, per_element, looped,
+                      check_bytes), 3),
+        round(predict(gpu, step_elements("1b"), nbytes, per_element, False,
+                      check_bytes), 3),
+        round(predict(gpu, step_elements("100m"), nbytes, per_element, looped, check_bytes,
                       host_s, host_hidden=True), 3))
 
 
@@ -916,7 +281,7 @@ def model_rows(archs: list[int], revision: str | None, host: dict[str, float] | 
                              spec["grad_bytes"] if check is not None else 0.0))
         rows += check_rows(checks, gpu, efficiency, latency)
         for name, function_, signature, nbytes in calibration_kernels() if calibration else []:
-            sass = read_sass(_compile_plain(function_, signature, arch))
+            sass = read_sass(compile_plain(function_, signature, arch))
             one = Launched("one tile a program", sass, loop_timing(sass), False)
             spec = {"rule": "-", "strategy": name, "configuration": "calibration",
                     "variant": "copy" if name == "copy" else "whole",
@@ -955,6 +320,11 @@ def _check_row(gpu: Gpu, dtype: torch.dtype, variant: str, whole: dict[str, Laun
     looped = len(fast_path(sass)) < len(sass.instructions)
     result = predictions(gpu, launched, None, dtype.itemsize, 0, 0.0, efficiency, latency)
     return _row(gpu, spec, sass, launched, result, 0.0, looped, 0.0)
+
+
+# ---------------------------------------------------------------------------------------
+# calibration: the issue term fitted to the H200 run
+# ---------------------------------------------------------------------------------------
 
 
 #: the kernels the H200 ran (docs/gpu.md "Results"): one tile a program
@@ -1018,6 +388,11 @@ def calibration_markdown(fit: dict) -> str:
                      + f" | {100 * row['largest_miss']:.1f} points | "
                      + ", ".join(sorted(set(row["bound"].values()))) + " |")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# the tables and the command line
+# ---------------------------------------------------------------------------------------
 
 
 def markdown(rows: list[Row], host: dict[str, float] | None) -> str:
