@@ -4,6 +4,7 @@ the report's sections, and resumption from --out."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import pytest
 from collage.cli import main
 from collage.errors import UsageError
 from collage.train import compare as compare_module
+from collage.train import runs
 from collage.train.aggregate import pareto_front, records
 from collage.train.compare import compare
 from collage.train.runner import train_strategy
@@ -243,6 +245,50 @@ def test_a_run_trained_elsewhere_is_not_trained_twice(tmp_path):
         with pytest.raises(UsageError, match="is being trained by another process"):
             compare(config, str(tmp_path), log=None)
     compare(config, str(tmp_path), log=None)  # released: it trains
+
+
+def test_a_finished_run_leaves_no_lock_file(tmp_path):
+    config = micro_config(run={"strategies": ("bf16",), "isolate": False, "resume": True})
+    (run,) = plan_runs(config)
+    directory = run_dir(str(tmp_path), run)
+    compare(config, str(tmp_path), log=None)
+    assert sorted(os.listdir(directory)) == [RESULT_NAME]
+
+
+def test_the_lock_of_a_killed_run_is_taken_and_removed(tmp_path):
+    directory = tmp_path / "run"
+    directory.mkdir()
+    (directory / ".lock").write_text("")  # left by a run killed while it trained
+    with training_lock(str(directory)):
+        with pytest.raises(UsageError, match="is being trained by another process"):
+            with training_lock(str(directory)):
+                pass
+    assert not (directory / ".lock").exists()
+
+
+def test_a_lock_file_removed_before_it_is_locked_is_not_held(tmp_path, monkeypatch):
+    """The holder may finish, and remove the file, between another process's open and its
+    lock: that lock is on a file no longer at the path, so the process locks the new one
+    (else a third process could lock the path's new file beside it)."""
+    directory = tmp_path / "run"
+    directory.mkdir()
+    path = directory / ".lock"
+    operations = []
+    flock = fcntl.flock
+
+    def flock_after_the_holder_let_go(handle, operation):
+        if not operations:
+            os.unlink(path)
+        operations.append(operation)
+        flock(handle, operation)
+
+    monkeypatch.setattr(runs.fcntl, "flock", flock_after_the_holder_let_go)
+    with training_lock(str(directory)):
+        assert len(operations) == 2 and path.exists()
+        with pytest.raises(UsageError, match="is being trained by another process"):
+            with training_lock(str(directory)):
+                pass
+    assert not path.exists()
 
 
 def test_partial_results_pair_only_shared_seeds():

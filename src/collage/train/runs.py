@@ -98,15 +98,39 @@ def training_lock(directory: str) -> Iterator[None]:
     """Hold the run's lock while it trains: a second ``collage compare`` on the same
     ``--out`` (say, restarted while an orphaned child of the first still trains) stops with
     a UsageError instead of writing the same checkpoint at the same time. ``flock`` locks
-    die with their process, so a killed run leaves none behind."""
+    die with their process, so a killed run leaves none held (its empty file stays, and the
+    next holder takes it). The holder removes the file as it lets go, so a finished run's
+    directory keeps no ``.lock``; a process that opened the file before that removal and
+    locks it after finds it no longer at its path (``_holds``) and locks the path's new
+    file instead, so two processes never both hold the run."""
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, LOCK_NAME), "w") as handle:
+    path = os.path.join(directory, LOCK_NAME)
+    while True:
+        handle = open(path, "a")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            handle.close()
             raise UsageError(f"--resume: {directory!r} is being trained by another process; "
                              "wait for it or stop it first") from None
+        if _holds(handle, path):
+            break
+        handle.close()  # the file its holder removed: lock the one at the path now
+    try:
         yield
+    finally:
+        os.unlink(path)  # while still held: see above
+        handle.close()
+
+
+def _holds(handle, path: str) -> bool:
+    """Whether the open file ``handle`` is still the file at ``path``."""
+    try:
+        here = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(handle.fileno())
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
 
 
 def save_result(directory: str, config: Config, result: dict[str, Any]) -> None:
