@@ -38,27 +38,36 @@ static inline __attribute__((always_inline)) vw lean_fold(vw top, const void *p,
     return v_max16(top, x);
 }
 
-static inline __attribute__((always_inline)) int lean_block(const int S, const int G32,
-                                                            const grow_t *r, int64_t i) {
+/* Whether every block of the ``blocks`` pair blocks from ``i`` passes the lean test: the
+ * magnitudes folded over the whole chunk and tested once at its end (one test and branch
+ * per block instead: plus and split 2-3 % slower on Zen 3, the others within 1 %) */
+static inline __attribute__((always_inline)) int lean_chunk(const int S, const int G32,
+                                                            const grow_t *r, int64_t i,
+                                                            int64_t blocks) {
     vw top = (vw){0};
-    if (G32) {
-        vu a = u_bits(v_load_f32(r->g, i)) & 0x7FFFFFFFu;
-        vu b = u_bits(v_load_f32(r->g, i + VL)) & 0x7FFFFFFFu;
-        if (v_any((vi)(v_max32(a, b) >= LEAN_F32))) return 0;
-    } else {
-        top = lean_fold(top, r->g, i, 0);
+    vu top32 = (vu){0}; /* float32 gradients' magnitudes */
+    vi bad = (vi){0};   /* plus, split: a low part of v larger than its high part */
+    for (int64_t k = 0; k < blocks; k++, i += 2 * VL) {
+        if (G32) {
+            top32 = v_max32(top32, u_bits(v_load_f32(r->g, i)) & 0x7FFFFFFFu);
+            top32 = v_max32(top32, u_bits(v_load_f32(r->g, i + VL)) & 0x7FFFFFFFu);
+        } else {
+            top = lean_fold(top, r->g, i, 0);
+        }
+        top = lean_fold(top, r->m, i, 0);
+        top = lean_fold(top, r->w, i, 0);
+        vw vhi = (vw)v_load_words(r->v, i);
+        top = v_max16(top, vhi); /* a negative v_hi (sign bit set) fails the bound */
+        if (S == S_KAHAN || S == S_LIGHT || S == S_PLUS) top = lean_fold(top, r->x, i, 0);
+        if (S == S_PLUS || S == S_SPLIT) {
+            /* v = hi + lo >= 0 where |lo| <= hi (as integers: the order of magnitudes) */
+            vw lo = (vw)v_load_words(r->vlo, i) & 0x7FFF;
+            top = v_max16(top, lo);
+            bad |= (vi)(lo > vhi);
+        }
     }
-    top = lean_fold(top, r->m, i, 0);
-    top = lean_fold(top, r->w, i, 0);
-    vw vhi = (vw)v_load_words(r->v, i);
-    top = v_max16(top, vhi); /* a negative v_hi (sign bit set) fails the bound */
-    if (S == S_KAHAN || S == S_LIGHT || S == S_PLUS) top = lean_fold(top, r->x, i, 0);
-    vi bad = (vi)(top >= LEAN_WORD);
-    if (S == S_PLUS || S == S_SPLIT) {
-        /* v = hi + lo >= 0 where |lo| <= hi (as integers: the order of magnitudes) */
-        vw lo = (vw)v_load_words(r->vlo, i) & 0x7FFF;
-        bad |= (vi)(lo >= LEAN_WORD) | (vi)(lo > vhi);
-    }
+    bad |= (vi)(top >= LEAN_WORD);
+    if (G32) bad |= (vi)(top32 >= LEAN_F32);
     return !v_any(bad);
 }
 

@@ -23,7 +23,7 @@
 #include "rounding_vector.h"
 #include "simd.h"
 
-/* LEAN: 1 in a lean block (see lean_block), 0 in the exact code */
+/* LEAN: 1 in a lean chunk (see lean_chunk), 0 in the exact code */
 
 /* the step's coefficients as vectors (filled once per row by vector_range) */
 typedef struct {
@@ -54,7 +54,7 @@ static inline __attribute__((always_inline)) vf g_over_bc2s(const int LEAN, cons
                                                            vf root) {
     vf q = root * c->rbc2s;
     vf corrected = v_fma(-v_fma(q, c->bc2s, -root), c->rbc2s, q);
-    if (LEAN) return corrected; /* root finite: see lean_block */
+    if (LEAN) return corrected; /* root finite: see lean_chunk */
     return v_select((vi)(root < __builtin_inff()), corrected, root);
 }
 
@@ -352,7 +352,7 @@ static inline __attribute__((always_inline)) void g_row_prefetch(const int S, co
 }
 
 /* The unmeasured pair blocks of [i, end), in chunks of CHUNK blocks: where ``lean``
- * (lean_call) a chunk whose every block passes lean_block (read first, in one pass: the
+ * (lean_call) a chunk whose every block passes lean_chunk (read first, in one pass: the
  * chunk's loops then have no branch) is stepped LEAN, and every other chunk by the exact
  * code; each chunk pass by pass (pair_chunk); returns where the blocks stop */
 #define CHUNK 16
@@ -379,11 +379,10 @@ static inline __attribute__((always_inline)) int64_t pair_loop(
     while (i + step <= end) {
         int64_t blocks = (end - i) / step;
         if (blocks > CHUNK) blocks = CHUNK;
-        int chunk_lean = lean && !SCALED;
-        for (int64_t k = 0; chunk_lean && k < blocks; k++)
-            chunk_lean = lean_block(S, G32, r, i + k * step);
-        if (!SCALED && chunk_lean) pair_chunk(1, S, G32, SCALED, BC1, c, r, i, blocks);
-        else pair_chunk(0, S, G32, SCALED, BC1, c, r, i, blocks);
+        if (!SCALED && lean && lean_chunk(S, G32, r, i, blocks))
+            pair_chunk(1, S, G32, SCALED, BC1, c, r, i, blocks);
+        else
+            pair_chunk(0, S, G32, SCALED, BC1, c, r, i, blocks);
         i += blocks * step;
     }
     return i;
