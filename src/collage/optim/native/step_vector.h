@@ -352,9 +352,10 @@ static inline __attribute__((always_inline)) void g_row_prefetch(const int S, co
 }
 
 /* The unmeasured pair blocks of [i, end), in chunks of CHUNK blocks: where ``lean``
- * (lean_call) a chunk whose every block passes lean_chunk (read first, in one pass: the
- * chunk's loops then have no branch) is stepped LEAN, and every other chunk by the exact
- * code; each chunk pass by pass (pair_chunk); returns where the blocks stop */
+ * (lean_call) a chunk that passes lean_chunk (its inputs read first, in one loop: the
+ * passes then have no branch) is stepped LEAN, and every other chunk by the exact code;
+ * each chunk pass by pass (pair_chunk; measured steps take pair_block, one block at a
+ * time); returns where the blocks stop */
 #define CHUNK 16
 
 /* ``blocks`` (at most CHUNK) pair blocks from ``i``: pass 1 over them all, the updates kept
