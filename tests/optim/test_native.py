@@ -434,6 +434,21 @@ def test_c_source_ships_with_the_package() -> None:
     assert shutil.which(build._compiler()[0])
 
 
+def test_a_unit_that_fails_to_compile_gives_the_compiler_s_message(tmp_path) -> None:
+    """The units compile side by side: one that fails stops the build with its own
+    message, and nothing is installed (a pipe left unread would fail too: pyproject makes
+    unraisable warnings errors)."""
+    wrapper = tmp_path / "cc-refuses-measured"
+    wrapper.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in *measured.c) '
+                       'echo "measured.c: refused here" >&2; exit 1;; esac; done\nexit 0\n')
+    wrapper.chmod(0o755)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="measured.c: refused here"):
+            build._compile([str(wrapper)], build._FLAGS[-1], tmp_path / "library.so")
+    assert not (tmp_path / "library.so").exists()
+
+
 def test_compiler_without_openmp_falls_back_to_the_thread_pool(fresh_loader, monkeypatch,
                                                                tmp_path_factory) -> None:
     """A compiler that refuses -fopenmp: the next flag set builds, with no warning; its
