@@ -14,14 +14,14 @@ and three translation units, ``UNITS``: ``adamw.c`` (unmeasured entry points),
 without torch headers, into ``$COLLAGE_CACHE_DIR/native/`` (default
 ``~/.cache/collage/native/``; ``$XDG_CACHE_HOME`` is honoured). Side by side, the build
 takes as long as its largest unit (``measured.c``: about 13 s of wall time on AMD Zen 3,
-against 23 s for the units one after the other). Separate units, rather than one file
-that includes the others: each ``.c`` compiles on its own. The step is ``static inline``
-code in headers, so each entry point is compiled from the same code as when the library
-was one file: the generated code is the same, instruction for instruction. The file name is a hash of every source
-(units and headers: editing any of them rebuilds), the compiler's version, the flags and
-the machine (architecture and CPU flags), so a new compiler or CPU builds a new library and
-a cluster's shared home never loads another machine's code. The library is written to a
-temporary name and renamed (concurrent processes never load a partial file).
+against 23 s for the units one after the other). Separate units, rather than one file that
+includes the others: each ``.c`` compiles on its own. The step is ``static inline`` code in
+headers, so each entry point is compiled from the same code as when the library was one
+file: the generated code is the same, instruction for instruction. The file name is a hash
+of every source (units and headers: editing any of them rebuilds), the compiler's version,
+the flags and the machine (architecture and CPU flags), so a new compiler or CPU builds a
+new library and a cluster's shared home never loads another machine's code. The library is
+written to a temporary name and renamed (concurrent processes never load a partial file).
 
 **Trust** (``cache``, ``docs/security.md``). Native code is built in and loaded from a
 directory only if no other user can write it or a directory above it, and a cached library
