@@ -8,6 +8,7 @@ import fcntl
 import json
 import math
 import os
+import shutil
 
 import pytest
 
@@ -264,6 +265,13 @@ def test_the_lock_of_a_killed_run_is_taken_and_removed(tmp_path):
             with training_lock(str(directory)):
                 pass
     assert not (directory / ".lock").exists()
+
+
+def test_a_run_directory_removed_while_it_trains_does_not_fail_the_release(tmp_path):
+    directory = tmp_path / "run"
+    with training_lock(str(directory)):
+        shutil.rmtree(directory)  # the run's directory deleted by hand meanwhile
+    assert not directory.exists()
 
 
 def test_a_lock_file_removed_before_it_is_locked_is_not_held(tmp_path, monkeypatch):

@@ -119,7 +119,8 @@ def training_lock(directory: str) -> Iterator[None]:
     try:
         yield
     finally:
-        os.unlink(path)  # while still held: see above
+        with contextlib.suppress(FileNotFoundError):  # the directory removed meanwhile
+            os.unlink(path)  # while still held: see above
         handle.close()
 
 
