@@ -80,7 +80,8 @@ UNITS = tuple(_HERE / name for name in ("adamw.c", "measured.c", "support.c"))
 SOURCES = UNITS + tuple(_HERE / name for name in ("native.h", "rounding.h", "stochastic.h",
                                                   "simd.h", "rounding_vector.h", "step.h",
                                                   "step_avx512.h", "step_vector.h",
-                                                  "lean_vector.h", "measure_vector.h"))
+                                                  "lean_vector.h", "measure_vector.h",
+                                                  "land_vector.h"))
 ABI = 8
 # in order of preference: OpenMP (torch's own runtime once loaded), without, portable
 _FLAGS = (("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"),

@@ -44,7 +44,9 @@ static inline __attribute__((always_inline)) vw lean_fold(vw top, const void *p,
 static inline __attribute__((always_inline)) int lean_chunk(const int S, const int G32,
                                                             const grow_t *r, int64_t i,
                                                             int64_t blocks) {
-    vw top = (vw){0};
+    /* one running maximum per stream: five folds into one maximum were a chain of five
+     * dependent operations per block */
+    vw top_g = (vw){0}, top_m = (vw){0}, top_w = (vw){0}, top_v = (vw){0}, top_x = (vw){0};
     vu top32 = (vu){0}; /* float32 gradients' magnitudes */
     vi bad = (vi){0};   /* plus, split: a low part of v larger than its high part */
     for (int64_t k = 0; k < blocks; k++, i += 2 * VL) {
@@ -52,20 +54,21 @@ static inline __attribute__((always_inline)) int lean_chunk(const int S, const i
             top32 = v_max32(top32, u_bits(v_load_f32(r->g, i)) & 0x7FFFFFFFu);
             top32 = v_max32(top32, u_bits(v_load_f32(r->g, i + VL)) & 0x7FFFFFFFu);
         } else {
-            top = lean_fold(top, r->g, i, 0);
+            top_g = lean_fold(top_g, r->g, i, 0);
         }
-        top = lean_fold(top, r->m, i, 0);
-        top = lean_fold(top, r->w, i, 0);
+        top_m = lean_fold(top_m, r->m, i, 0);
+        top_w = lean_fold(top_w, r->w, i, 0);
         vw vhi = (vw)v_load_words(r->v, i);
-        top = v_max16(top, vhi); /* a negative v_hi (sign bit set) fails the bound */
-        if (S == S_KAHAN || S == S_LIGHT || S == S_PLUS) top = lean_fold(top, r->x, i, 0);
+        top_v = v_max16(top_v, vhi); /* a negative v_hi (sign bit set) fails the bound */
+        if (S == S_KAHAN || S == S_LIGHT || S == S_PLUS) top_x = lean_fold(top_x, r->x, i, 0);
         if (S == S_PLUS || S == S_SPLIT) {
-            /* v = hi + lo >= 0 where |lo| <= hi (as integers: the order of magnitudes) */
+            /* v = hi + lo >= 0 where |lo| <= hi (as integers: the order of magnitudes);
+             * then |lo| is below the bound where hi is, and needs no fold of its own */
             vw lo = (vw)v_load_words(r->vlo, i) & 0x7FFF;
-            top = v_max16(top, lo);
             bad |= (vi)(lo > vhi);
         }
     }
+    vw top = v_max16(v_max16(v_max16(top_g, top_m), v_max16(top_w, top_v)), top_x);
     bad |= (vi)(top >= LEAN_WORD);
     if (G32) bad |= (vi)(top32 >= LEAN_F32);
     return !v_any(bad);

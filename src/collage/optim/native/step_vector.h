@@ -43,6 +43,7 @@ typedef struct {
 
 #include "lean_vector.h"    /* (reads grow_t) */
 #include "measure_vector.h" /* (reads gcoeffs) */
+#include "land_vector.h"    /* (reads gcoeffs) */
 
 /* ------------------------------------------------------------------------------------ */
 /* the step of one vector                                                                 */
@@ -72,12 +73,18 @@ static inline __attribute__((always_inline)) void g_moments(const int LEAN, cons
     *v = v_fma(g * c->omb2, g, *v * c->beta2);
 }
 
-/* The update u from the new moments (step.h's formula) */
-static inline __attribute__((always_inline)) vf g_update(const int LEAN, const int BC1,
-                                                        const gcoeffs *c, vf m, vf v) {
-    vf root = v_sqrt(v);
+/* The update u from the new m and the square root of the new v (step.h's formula) */
+static inline __attribute__((always_inline)) vf g_update_root(const int LEAN, const int BC1,
+                                                             const gcoeffs *c, vf m,
+                                                             vf root) {
     if (!BC1) root = g_over_bc2s(LEAN, c, root); /* x / 1 == x: see step_avx512.h's v_adam */
     return (m * c->neg_step) / (root + c->eps);
+}
+
+/* The update u from the new moments */
+static inline __attribute__((always_inline)) vf g_update(const int LEAN, const int BC1,
+                                                        const gcoeffs *c, vf m, vf v) {
+    return g_update_root(LEAN, BC1, c, m, v_sqrt(v));
 }
 
 /* The AdamW step from the gradient ``g``: ``m`` and ``v`` updated, the update u returned */
@@ -86,77 +93,6 @@ static inline __attribute__((always_inline)) vf g_adam(const int LEAN, const int
                                                       vf *m, vf *v) {
     g_moments(LEAN, SCALED, c, g, m, v);
     return g_update(LEAN, BC1, c, *m, *v);
-}
-
-/* W * decay where decay != 1, else W itself. Without decay c->decay is 1.0f, and W * 1 is
- * W bit for bit (no flush to zero: -0, subnormals and infinities are kept) but for a
- * signalling NaN, which it quiets. The strategies that round the result to bf16 (every
- * NaN to 0xFFFF) take the product, one blend fewer; fp32, mixed and split store float32
- * bits, a NaN's payload included, and keep the blend. */
-static inline __attribute__((always_inline)) vf g_decayed(const int S, const gcoeffs *c,
-                                                         vf W) {
-    if (S == S_BF16 || S == S_STOCHASTIC || S == S_LIGHT || S == S_PLUS) return W * c->decay;
-    return v_select(c->decays, W * c->decay, W);
-}
-
-/* The outputs of one vector: bf16 ones widened, float32 ones as they are */
-typedef struct {
-    vu w, x, m, v, vlo; /* weight, second weight part, m, v, v's low part */
-    vf w32, m32, v32;   /* fp32's weight, mixed's and split's master; fp32/mixed states */
-} gout;
-
-/* The landing of the new weight into the strategy's components (step.h's scalar_element,
- * case by case; stochastic's rounding is pair_weights'). W: the float32 weight the step
- * reads; X: kahan's compensation, light's and plus's lo. */
-/* bf_round, or in LEAN blocks (no lane NaN) its integer form alone */
-#define G_ROUND(x) (LEAN ? g_round_number(x) : g_round(x))
-
-static inline __attribute__((always_inline)) void g_land_weight(const int LEAN, const int S,
-                                                                const gcoeffs *c, vf u, vf W,
-                                                                vf X, gout *o) {
-    switch (S) {
-    case S_FP32: o->w32 = g_decayed(S, c, W) + u; break;
-    case S_MIXED:
-        o->w32 = g_decayed(S, c, W) + u;
-        o->w = g_round(o->w32);
-        break;
-    case S_BF16: o->w = G_ROUND(g_decayed(S, c, W) + u); break;
-    case S_STOCHASTIC: /* rounded by pair_weights, both halves at once (g_stochastic2) */
-        o->w32 = g_decayed(S, c, W) + u;
-        break;
-    case S_KAHAN: {
-        /* (-W) * lr_wd, or +0 without decay (the foreach path adds u to zeros) */
-        vf base = f_bits(u_bits(-W * c->lr_wd) & (vu)c->decays);
-        vf corrected = (base + u) + X;
-        o->w = G_ROUND(W + corrected);
-        /* what the rounded add failed to land: exact (Sterbenz), +0 where hi is inf/nan */
-        vf hf = f_bits(o->w);
-        /* not NaN where hf is finite (then W and corrected are finite) */
-        o->x = g_round_number(corrected - (hf - W));
-        if (!LEAN) o->x &= ~g_special(hf);
-        g_normalize_kahan(&o->w, &o->x);
-        break;
-    }
-    case S_LIGHT:
-    case S_PLUS: g_residual_pair(LEAN, g_decayed(S, c, W) + u, &o->w, &o->x); break;
-    case S_SPLIT:
-        o->w32 = g_decayed(S, c, W) + u;
-        g_split_encode(o->w32, &o->w, &o->x);
-        break;
-    }
-}
-
-/* The states' outputs: float32 (fp32, mixed) or rounded to bf16 (plus and split: v a pair) */
-static inline __attribute__((always_inline)) void g_land_states(const int LEAN, const int S,
-                                                                vf m, vf v, gout *o) {
-    if (S == S_FP32 || S == S_MIXED) {
-        o->m32 = m;
-        o->v32 = v;
-    } else {
-        o->m = G_ROUND(m);
-        if (S == S_PLUS || S == S_SPLIT) g_residual_pair(LEAN, v, &o->v, &o->vlo);
-        else o->v = G_ROUND(v);
-    }
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -219,30 +155,50 @@ static inline __attribute__((always_inline)) void g_hash_block(const gcoeffs *c,
  * root and the division, then the landing's two or three roundings) is longer than the
  * out-of-order window of an AVX2 core covers, so one pass per block left the core waiting
  * on the divider's results with the landing's integer work queued behind them (AMD Zen 3:
- * light 1.72 ns per element in one pass, 1.31 in two). Each pass alone is short, and its
- * blocks are independent: the window overlaps several. The operations and their order per
- * element are unchanged: the same bits. */
+ * light 1.72 ns per element in one pass, 1.31 in two). Each pass alone is shorter, and its
+ * blocks are independent. Each pass is in two stages besides, and pair_chunk runs a
+ * block's first stage beside the block before's second (software pipelining): a pass's
+ * chain was still longer than the window lets the core look ahead past (llvm-mca -mcpu=
+ * znver3: pass 1 27 cycles a block where its pipes ask 16, pass 2 18 where they ask 10),
+ * and the stages' chains are about half as long (light 1.23 -> 1.02 ns per element, 65,536
+ * elements on one core). The operations and their order per element are unchanged: the
+ * same bits. */
 
-/* pass 1: the moments of the 2 VL elements from ``i`` (even and odd halves) stepped and
- * stored; their updates returned */
-static inline __attribute__((always_inline)) vpair pair_moments(
-    const int LEAN, const int S, const int G32, const int SCALED, const int BC1,
-    const gcoeffs *c, const grow_t *r, int64_t i) {
+/* Pass 1's first stage: the moments of the 2 VL elements from ``i`` (even and odd halves)
+ * stepped and stored; the new m and the root of the new v */
+typedef struct {
+    vpair m, root;
+} gmoments;
+
+static inline __attribute__((always_inline)) gmoments pair_moments_stepped(
+    const int LEAN, const int S, const int G32, const int SCALED, const gcoeffs *c,
+    const grow_t *r, int64_t i) {
     vpair g = G32 ? v_load_pair_f32(r->g, i) : v_load_pair(r->g, i);
-    vpair m = v_load_pair(r->m, i), v = v_load_pair(r->v, i);
+    gmoments out = {v_load_pair(r->m, i), {0}};
+    vpair v = v_load_pair(r->v, i);
     if (S == S_PLUS || S == S_SPLIT) {
         vpair lo = v_load_pair(r->vlo, i);
         v.e += lo.e;
         v.o += lo.o;
     }
-    vpair u = {g_adam(LEAN, SCALED, BC1, c, g.e, &m.e, &v.e),
-               g_adam(LEAN, SCALED, BC1, c, g.o, &m.o, &v.o)};
+    g_moments(LEAN, SCALED, c, g.e, &out.m.e, &v.e);
+    g_moments(LEAN, SCALED, c, g.o, &out.m.o, &v.o);
     gout e, o;
-    g_land_states(LEAN, S, m.e, v.e, &e);
-    g_land_states(LEAN, S, m.o, v.o, &o);
+    g_land_states(LEAN, S, out.m.e, v.e, &e);
+    g_land_states(LEAN, S, out.m.o, v.o, &o);
     v_store_words(r->m, i, v_pack(e.m, o.m));
     v_store_words(r->v, i, v_pack(e.v, o.v));
     if (S == S_PLUS || S == S_SPLIT) v_store_words(r->vlo, i, v_pack(e.vlo, o.vlo));
+    out.root.e = v_sqrt(v.e);
+    out.root.o = v_sqrt(v.o);
+    return out;
+}
+
+/* Pass 1's second stage: the updates */
+static inline __attribute__((always_inline)) vpair pair_update(const int LEAN, const int BC1,
+                                                               const gcoeffs *c, gmoments s) {
+    vpair u = {g_update_root(LEAN, BC1, c, s.m.e, s.root.e),
+               g_update_root(LEAN, BC1, c, s.m.o, s.root.o)};
     return u;
 }
 
@@ -282,43 +238,60 @@ static inline __attribute__((always_inline)) void pair_measure(const int S, cons
               PAIR(S) ? f_bits(o->x) : zero, a);
 }
 
-/* pass 2: the weights of the 2 VL elements from ``i`` landed with their updates ``u``
- * (with MEAS, their lost-update terms added to ``a``) */
-static inline __attribute__((always_inline)) void pair_weights(
-    const int LEAN, const int S, const int MEAS, const gcoeffs *c, const grow_t *r,
-    int64_t i, vpair u, gacc *a) {
+/* Pass 2's first stage: the weights of the 2 VL elements from ``i`` loaded and their
+ * landings' inputs with the updates ``u`` (``be``, ``bo``: what the halves read), and
+ * stochastic's hashes (integer work beside the float work: 1-1.5 % on Zen 3) */
+typedef struct {
+    gland e, o;
+    vu ze, zo; /* stochastic: the even and odd halves' hashes */
+} gland2;
+
+static inline __attribute__((always_inline)) gland2 pair_land_input(
+    const int S, const gcoeffs *c, const grow_t *r, int64_t i, vpair u, gbefore *be,
+    gbefore *bo) {
     vpair w = v_load_pair(r->w, i), x = {v_splat(0.0f), v_splat(0.0f)};
     if (S != S_BF16 && S != S_STOCHASTIC) x = v_load_pair(r->x, i);
-    vu ze, zo;
-    if (S == S_STOCHASTIC) g_hash_block(c, (uint32_t)(r->index + i), r, &ze, &zo);
-    gbefore be = g_before(S, w.e, x.e), bo = g_before(S, w.o, x.o);
-    gout e, o;
-    g_land_weight(LEAN, S, c, u.e, be.W, be.X, &e);
-    g_land_weight(LEAN, S, c, u.o, bo.W, bo.X, &o);
+    *be = g_before(S, w.e, x.e);
+    *bo = g_before(S, w.o, x.o);
+    gland2 in = {g_land_input(S, c, u.e, be->W, be->X), g_land_input(S, c, u.o, bo->W, bo->X),
+                 {0}, {0}};
+    if (S == S_STOCHASTIC) g_hash_block(c, (uint32_t)(r->index + i), r, &in.ze, &in.zo);
+    return in;
+}
+
+/* Pass 2's second stage: the landings rounded (``e``, ``o``) and stored */
+static inline __attribute__((always_inline)) void pair_land_output(
+    const int LEAN, const int S, const gcoeffs *c, const grow_t *r, int64_t i, gland2 in,
+    gout *e, gout *o) {
+    g_land_round(LEAN, S, in.e, e);
+    g_land_round(LEAN, S, in.o, o);
     vu words;
     if (S == S_STOCHASTIC) {
-        vpair nw = {e.w32, o.w32};
-        words = g_stochastic2(nw, ze, zo);
-        e.w = words << 16;
-        o.w = words & 0xFFFF0000u;
+        vpair nw = {e->w32, o->w32};
+        words = g_stochastic2(nw, in.ze, in.zo);
+        e->w = words << 16;
+        o->w = words & 0xFFFF0000u;
     } else {
-        words = v_pack(e.w, o.w);
+        words = v_pack(e->w, o->w);
     }
+    v_store_words(r->w, i, words);
+    if (S != S_BF16 && S != S_STOCHASTIC) v_store_words(r->x, i, v_pack(e->x, o->x));
+}
+
+/* 2 VL elements from ``i`` of a strategy with bf16 weights and states (the gradient bf16,
+ * or float32 with G32): every stage, one after the other (with MEAS, the lost-update terms
+ * added to ``a``) */
+static inline __attribute__((always_inline)) void pair_block(
+    const int LEAN, const int S, const int G32, const int SCALED, const int BC1,
+    const int MEAS, const gcoeffs *c, const grow_t *r, int64_t i, gacc *a) {
+    vpair u = pair_update(LEAN, BC1, c, pair_moments_stepped(LEAN, S, G32, SCALED, c, r, i));
+    gbefore be, bo;
+    gout e, o;
+    pair_land_output(LEAN, S, c, r, i, pair_land_input(S, c, r, i, u, &be, &bo), &e, &o);
     if (MEAS) {
         pair_measure(S, c, u.e, be, &e, a);
         pair_measure(S, c, u.o, bo, &o, a);
     }
-    v_store_words(r->w, i, words);
-    if (S != S_BF16 && S != S_STOCHASTIC) v_store_words(r->x, i, v_pack(e.x, o.x));
-}
-
-/* 2 VL elements from ``i`` of a strategy with bf16 weights and states (the gradient bf16,
- * or float32 with G32): both passes, one after the other */
-static inline __attribute__((always_inline)) void pair_block(
-    const int LEAN, const int S, const int G32, const int SCALED, const int BC1,
-    const int MEAS, const gcoeffs *c, const grow_t *r, int64_t i, gacc *a) {
-    vpair u = pair_moments(LEAN, S, G32, SCALED, BC1, c, r, i);
-    pair_weights(LEAN, S, MEAS, c, r, i, u, a);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -358,19 +331,32 @@ static inline __attribute__((always_inline)) void g_row_prefetch(const int S, co
  * time); returns where the blocks stop */
 #define CHUNK 16
 
-/* ``blocks`` (at most CHUNK) pair blocks from ``i``: pass 1 over them all, the updates kept
- * (CHUNK x 2 vectors: 1 KB with AVX2, in L1), then pass 2 */
+/* ``blocks`` (1 to CHUNK) pair blocks from ``i``: pass 1 over them all, the updates kept
+ * (CHUNK x 2 vectors: 1 KB with AVX2, in L1), then pass 2; in each pass a block's first
+ * stage is issued before the block before's second (see pair_moments_stepped) */
 static inline __attribute__((always_inline)) void pair_chunk(
     const int LEAN, const int S, const int G32, const int SCALED, const int BC1,
     const gcoeffs *c, const grow_t *r, int64_t i, int64_t blocks) {
     const int64_t step = 2 * VL;
     vpair u[CHUNK];
-    for (int64_t k = 0; k < blocks; k++) {
+    g_row_prefetch(S, G32, r, i);
+    gmoments held = pair_moments_stepped(LEAN, S, G32, SCALED, c, r, i);
+    for (int64_t k = 1; k < blocks; k++) {
         g_row_prefetch(S, G32, r, i + k * step);
-        u[k] = pair_moments(LEAN, S, G32, SCALED, BC1, c, r, i + k * step);
+        gmoments next = pair_moments_stepped(LEAN, S, G32, SCALED, c, r, i + k * step);
+        u[k - 1] = pair_update(LEAN, BC1, c, held);
+        held = next;
     }
-    for (int64_t k = 0; k < blocks; k++)
-        pair_weights(LEAN, S, 0, c, r, i + k * step, u[k], NULL);
+    u[blocks - 1] = pair_update(LEAN, BC1, c, held);
+    gbefore be, bo; /* (unread: no step here is measured) */
+    gout e, o;
+    gland2 landing = pair_land_input(S, c, r, i, u[0], &be, &bo);
+    for (int64_t k = 1; k < blocks; k++) {
+        gland2 next = pair_land_input(S, c, r, i + k * step, u[k], &be, &bo);
+        pair_land_output(LEAN, S, c, r, i + (k - 1) * step, landing, &e, &o);
+        landing = next;
+    }
+    pair_land_output(LEAN, S, c, r, i + (blocks - 1) * step, landing, &e, &o);
 }
 
 static inline __attribute__((always_inline)) int64_t pair_loop(
