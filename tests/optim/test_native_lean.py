@@ -20,7 +20,7 @@ from collage.optim import get_strategy, native
 from collage.optim.native import build
 
 from .test_native import (RULE, Case, _assert_same_bits, _clone_state, _nan_master,
-                          _reference_step)
+                          _reference_step, calls)  # noqa: F401 (calls: a fixture)
 
 pytestmark = pytest.mark.skipif(
     build._compiler() is None, reason="no C compiler: the native kernels cannot be built")
@@ -46,8 +46,8 @@ def _streams(strategy: str) -> list[str]:
 
 
 @pytest.mark.parametrize("strategy,stream", [(s, t) for s in PAIRED for t in _streams(s)])
-def test_one_special_value_in_one_stream_takes_the_exact_code(strategy: str,
-                                                              stream: str) -> None:
+def test_one_special_value_in_one_stream_takes_the_exact_code(strategy: str, stream: str,
+                                                              calls) -> None:
     gen = torch.Generator().manual_seed(11)
     param = torch.nn.Parameter(torch.randn(N, generator=gen).to(torch.bfloat16))
     opt = collage.AdamW([param], strategy=strategy, nonfinite="ignore", **CASE.group)
@@ -70,3 +70,4 @@ def test_one_special_value_in_one_stream_takes_the_exact_code(strategy: str,
         if key != "step":
             _assert_same_bits(state[key], value, f"{stream}: {key}",
                               nan_master if key == "weight_low_bits" else None)
+    assert calls == [strategy] * 2  # both steps were the native kernels'
