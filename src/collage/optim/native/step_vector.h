@@ -174,7 +174,8 @@ static inline __attribute__((always_inline)) gmoments pair_moments_stepped(
     const int LEAN, const int S, const int G32, const int SCALED, const gcoeffs *c,
     const grow_t *r, int64_t i) {
     vpair g = G32 ? v_load_pair_f32(r->g, i) : v_load_pair(r->g, i);
-    gmoments out = {v_load_pair(r->m, i), {0}};
+    gmoments out;
+    out.m = v_load_pair(r->m, i);
     vpair v = v_load_pair(r->v, i);
     if (S == S_PLUS || S == S_SPLIT) {
         vpair lo = v_load_pair(r->vlo, i);
@@ -261,8 +262,7 @@ static inline __attribute__((always_inline)) gland2 pair_land_input(
 
 /* Pass 2's second stage: the landings rounded (``e``, ``o``) and stored */
 static inline __attribute__((always_inline)) void pair_land_output(
-    const int LEAN, const int S, const gcoeffs *c, const grow_t *r, int64_t i, gland2 in,
-    gout *e, gout *o) {
+    const int LEAN, const int S, const grow_t *r, int64_t i, gland2 in, gout *e, gout *o) {
     g_land_round(LEAN, S, in.e, e);
     g_land_round(LEAN, S, in.o, o);
     vu words;
@@ -287,7 +287,7 @@ static inline __attribute__((always_inline)) void pair_block(
     vpair u = pair_update(LEAN, BC1, c, pair_moments_stepped(LEAN, S, G32, SCALED, c, r, i));
     gbefore be, bo;
     gout e, o;
-    pair_land_output(LEAN, S, c, r, i, pair_land_input(S, c, r, i, u, &be, &bo), &e, &o);
+    pair_land_output(LEAN, S, r, i, pair_land_input(S, c, r, i, u, &be, &bo), &e, &o);
     if (MEAS) {
         pair_measure(S, c, u.e, be, &e, a);
         pair_measure(S, c, u.o, bo, &o, a);
@@ -353,10 +353,10 @@ static inline __attribute__((always_inline)) void pair_chunk(
     gland2 landing = pair_land_input(S, c, r, i, u[0], &be, &bo);
     for (int64_t k = 1; k < blocks; k++) {
         gland2 next = pair_land_input(S, c, r, i + k * step, u[k], &be, &bo);
-        pair_land_output(LEAN, S, c, r, i + (k - 1) * step, landing, &e, &o);
+        pair_land_output(LEAN, S, r, i + (k - 1) * step, landing, &e, &o);
         landing = next;
     }
-    pair_land_output(LEAN, S, c, r, i + (blocks - 1) * step, landing, &e, &o);
+    pair_land_output(LEAN, S, r, i + (blocks - 1) * step, landing, &e, &o);
 }
 
 static inline __attribute__((always_inline)) int64_t pair_loop(
