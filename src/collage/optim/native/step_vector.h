@@ -81,18 +81,12 @@ static inline __attribute__((always_inline)) vf g_update_root(const int LEAN, co
     return (m * c->neg_step) / (root + c->eps);
 }
 
-/* The update u from the new moments */
-static inline __attribute__((always_inline)) vf g_update(const int LEAN, const int BC1,
-                                                        const gcoeffs *c, vf m, vf v) {
-    return g_update_root(LEAN, BC1, c, m, v_sqrt(v));
-}
-
 /* The AdamW step from the gradient ``g``: ``m`` and ``v`` updated, the update u returned */
 static inline __attribute__((always_inline)) vf g_adam(const int LEAN, const int SCALED,
                                                       const int BC1, const gcoeffs *c, vf g,
                                                       vf *m, vf *v) {
     g_moments(LEAN, SCALED, c, g, m, v);
-    return g_update(LEAN, BC1, c, *m, *v);
+    return g_update_root(LEAN, BC1, c, *m, v_sqrt(*v));
 }
 
 /* ------------------------------------------------------------------------------------ */
