@@ -32,6 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import collage
 from collage.optim import compiled, edits, get_strategy
 from collage.optim import admission
+from collage.optim.group import Item
 from collage.optim.native import plan as native_plan
 from collage.optim.triton import launch as launches
 
@@ -607,3 +608,36 @@ def test_a_replaced_weight_s_old_storage_is_let_go_at_the_next_step() -> None:
     conv.weight.grad = torch.full_like(conv.weight, 1e-2).to(memory_format=CHANNELS_LAST)
     opt.step()
     assert old.expired()
+
+
+def test_the_log_adds_up_counters_moved_through_pointers() -> None:
+    """The plans' kernels write through pointers and move each weight's counter by one
+    (``dispatch``); the log counts those moves per group (``WriteLog.bumped``) and adds
+    them to the marks when it next reads one. Over more group combinations than it keeps
+    entries for (64), stepped again and again, nothing is taken for an edit, and the
+    common step's answer (``nothing_to_rederive``: every counter as the optimizer left it)
+    holds again for each combination, the moves it saw as part of the others included
+    (a cached answer that went stale so sent every later step the slow way); then one
+    write by someone else is seen, in that weight only."""
+    log = edits.WriteLog()
+    params = [torch.zeros(4, dtype=BF16) for _ in range(70)]
+    log.note(params)
+    items = [Item(f"p{i}", p, None, {}, i, ()) for i, p in enumerate(params)]
+    combinations = [items, items[:3], items[3:], items[::2]] + [[item] for item in items]
+    light = get_strategy("light")
+    for _ in range(3):
+        for combination in combinations:
+            torch._C._increment_version([item.param for item in combination])
+            log.bumped(combination)
+            assert log.nothing_to_rederive(light, combination)
+    for _ in range(3):  # unread in between: the same groups' moves add up
+        for combination in (items, items[::2], items, items[:3]):
+            torch._C._increment_version([item.param for item in combination])
+            log.bumped(combination)
+    assert not any(log.edited(p) for p in params)
+    assert all(log.nothing_to_rederive(light, c) for c in combinations)
+    with torch.no_grad():
+        params[5].add_(1)
+    assert [log.edited(p) for p in params] == [i == 5 for i in range(70)]
+    assert not log.nothing_to_rederive(light, items)
+    assert log.nothing_to_rederive(light, items[6:])

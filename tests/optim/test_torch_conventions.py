@@ -736,6 +736,72 @@ def test_global_step_hooks_run_for_collage_optimizers(rule):
     assert seen == [("pre", True), ("post", True)]
 
 
+def test_step_hooks_follow_torchs_order_and_contract():
+    """The step's own wrapper (``base._with_step_hooks``, which replaces torch's
+    ``profile_hook_step``) keeps torch's order (global pre, own pre, the step, own post,
+    global post), lets a pre-hook replace the step's arguments (here: a closure, whose
+    loss the step returns), passes the replaced arguments to the post-hooks, and
+    refuses a pre-hook's other results with torch's message. Torch wraps it no further:
+    one pre-hook call a step."""
+    p = _param()
+    opt = _make("adamw", [p])
+    seen = []
+
+    def closure():
+        seen.append("closure")
+        return torch.tensor(3.0)
+
+    def own_pre(optimizer, args, kwargs):
+        seen.append("own pre")
+        return (args[0],), {"closure": closure}
+
+    pre = register_optimizer_step_pre_hook(lambda o, a, k: seen.append("global pre"))
+    post = register_optimizer_step_post_hook(
+        lambda o, a, k: seen.append(("global post", k.get("closure") is closure)))
+    handles = [opt.register_step_pre_hook(own_pre),
+               opt.register_step_post_hook(lambda o, a, k: seen.append("own post"))]
+    try:
+        p.grad = torch.ones_like(p)
+        loss = opt.step()
+    finally:
+        pre.remove()
+        post.remove()
+    assert float(loss) == 3.0
+    assert seen == ["global pre", "own pre", "closure", "own post", ("global post", True)]
+    handles[0].remove()
+    opt.register_step_pre_hook(lambda o, a, k: "not a pair")
+    before = p.detach().clone()
+    with pytest.raises(RuntimeError, match="must return None or a tuple of"):
+        opt.step()
+    assert torch.equal(bits(p.detach()), bits(before))
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_the_profiler_records_each_step_under_torchs_name(rule, monkeypatch):
+    """Where a profiler runs, each step is recorded as torch's own wrapper names it
+    (``Optimizer.step#<class>.step``); where none runs, no record is entered (13 us a
+    step)."""
+    p = _param()
+    opt = _make(rule, [p])
+    entered = []
+    original = torch.autograd.profiler.record_function
+
+    def counted(name, *args):
+        entered.append(name)
+        return original(name, *args)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.autograd.profiler, "record_function", counted)
+        for step in range(2):
+            _step(opt, [p], step)
+    assert entered == []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for step in range(2, 4):
+            _step(opt, [p], step)
+    name = f"Optimizer.step#{type(opt).__name__}.step"
+    assert [e.count for e in prof.key_averages() if e.key == name] == [2]
+
+
 @pytest.mark.parametrize("rule", RULES)
 def test_deepcopy_copies_all_public_attributes(rule):
     p, opt = _trained(rule)

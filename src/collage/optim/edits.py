@@ -55,6 +55,7 @@ Mark = tuple[int, int]
 
 _VERSION = attrgetter("_version")
 _VERSION_OF_MARK = itemgetter(0)
+_PLUS_ONE = (1).__add__  # a version moved by one, in a pass that runs in C
 
 
 def hides_weight(strategy: Strategy) -> bool:
@@ -120,10 +121,11 @@ class WriteLog:
         #: per parameter, a detached alias of the data its mark was taken on: what a
         #: replacement through ``.data`` is compared with (:meth:`_replaced`)
         self._data: dict[int, torch.Tensor] = {}
-        #: ids of parameters whose counter a kernel moved by one since their mark was
-        #: taken, one list per group stepped: applied to the marks before they are read
-        #: (:meth:`_apply_bumps`), so that the common step pays one list per group
-        self._bumps: list[list[int]] = []
+        #: per tuple of parameter ids (a group stepped through pointers), how many times
+        #: a kernel moved each one's counter by one since their marks were taken: added
+        #: to the marks before they are read (:meth:`_apply_bumps`), so that the common
+        #: step pays one dictionary entry per group, not a Python loop over its parameters
+        self._bumps: dict[tuple[int, ...], int] = {}
         # per group (by its first parameter's id), the parameters' ids and the versions
         # :meth:`_versions_kept` last found equal to their marks; emptied whenever a mark
         # changes, so that equal versions still mean "as the optimizer left them"
@@ -159,20 +161,21 @@ class WriteLog:
             return
         kept = self._kept.get(ids[0])
         if kept is not None and kept[0] == ids:
-            self._kept[ids[0]] = (ids, [version + 1 for version in kept[1]])
-        self._bumps.append(ids)
-        if len(self._bumps) > 64:  # bounded: the plan's steps append one list each
+            self._kept[ids[0]] = (ids, list(map(_PLUS_ONE, kept[1])))
+        bumps, key = self._bumps, tuple(ids)
+        bumps[key] = bumps.get(key, 0) + 1  # counts add up: the order of bumps is moot
+        if len(bumps) > 64:  # bounded: groups stepped in ever other combinations
             self._apply_bumps()
 
     def _apply_bumps(self) -> None:
         if not self._bumps:
             return
         left = self._left
-        for ids in self._bumps:
+        for ids, count in self._bumps.items():
             for key in ids:
                 mark = left.get(key)
                 if mark is not None:
-                    left[key] = (mark[0] + 1, mark[1])
+                    left[key] = (mark[0] + count, mark[1])
         self._bumps.clear()
 
     def edited(self, param: torch.Tensor) -> bool:
@@ -225,8 +228,10 @@ class WriteLog:
             return True
         ids, versions = list(map(id, params)), list(map(_VERSION, params))
         kept = self._kept.get(ids[0])
-        if kept is not None and kept[0] == ids:  # found equal to the marks since the last
-            return kept[1] == versions           # change of a mark: compare with those
+        if kept is not None and kept[0] == ids and kept[1] == versions:
+            return True  # as found equal to the marks since the last change of a mark
+        # (unequal: an edit, or moves of these counters as part of other groups, which
+        # move the marks but not this entry: the marks decide, and the entry is renewed)
         if not set(map(type, params)) <= PLAIN_TENSORS:
             return False
         self._apply_bumps()

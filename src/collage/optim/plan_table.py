@@ -37,24 +37,31 @@ class PlanTable:
     """The tensors of a plan's items when it was built, and :meth:`gradients`, which
     checks the items of a later step against them."""
 
-    __slots__ = ("params", "states", "getters", "param_pointers", "state_pointers",
-                 "dtypes", "shapes")
+    __slots__ = ("params", "states", "getter", "many_keys", "param_pointers",
+                 "state_pointers", "dtypes", "shapes")
 
     def __init__(self, items: Sequence, keys: Sequence[str]) -> None:
         """``items``: the group's items (``group.Item``) the plan was built from, each
         parameter's state holding a tensor at every one of ``keys``."""
         self.params = list(map(ITEM_PARAM, items))
         self.states = list(map(ITEM_STATE, items))
-        self.getters = [itemgetter(key) for key in keys]
+        # every key of a state dict in one call (a tuple of its tensors) where there are
+        # several: one C call per state dict instead of one per key
+        self.getter = itemgetter(*keys) if keys else None
+        self.many_keys = len(keys) > 1
         self.param_pointers = list(map(_DATA_PTR, self.params))
         self.state_pointers = self._state_pointers(self.states)
         self.dtypes = list(map(_DTYPE, self.params))
         self.shapes = list(map(_SHAPE, self.params))
 
     def _state_pointers(self, states: list[dict]) -> list[int]:
-        """The state tensors' data pointers, key by key (a KeyError where one is gone)."""
-        return list(chain.from_iterable(map(_DATA_PTR, map(getter, states))
-                                        for getter in self.getters))
+        """The state tensors' data pointers, state by state and key by key in each (a
+        KeyError where one is gone)."""
+        if self.getter is None:  # no state tensors
+            return []
+        tensors = map(self.getter, states)
+        return list(map(_DATA_PTR, chain.from_iterable(tensors) if self.many_keys
+                        else tensors))
 
     def gradients(self, items: Sequence) -> list[torch.Tensor] | None:
         """The items' gradients if the items are the table's parameters in order, with
