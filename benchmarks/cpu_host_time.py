@@ -11,7 +11,8 @@ Each run: the ``--size`` layout's tensors (``collage.bench.common.gpt_shapes``; 
 default configuration (``fused=None``: the native plan, the non-finite check on); 20 real
 steps, then ``collage_adamw_planned`` replaced by a stub that reports "stepped" without
 reading anything, then ``--steps`` steps timed one by one. Prints one JSON line per
-strategy: the median and the 10th and 90th percentiles, in microseconds.
+strategy: the median and the 10th and 90th percentiles, in microseconds. ``--zero-grad``:
+``opt.zero_grad()`` timed instead, the gradients set again (untimed) before each call.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class _StubbedCall:
         return getattr(self._lib, name)
 
 
-def _host_times(strategy: str, size: str, steps: int) -> list[float]:
+def _host_times(strategy: str, size: str, steps: int, zero_grad: bool) -> list[float]:
     import collage  # noqa: PLC0415 - the tree's, after main() set the path
     import torch  # noqa: PLC0415
     from collage.bench.common import gpt_shapes  # noqa: PLC0415
@@ -55,10 +56,14 @@ def _host_times(strategy: str, size: str, steps: int) -> list[float]:
         raise SystemExit(f"{strategy}: no native plan after 20 steps (paths {opt.last_paths})")
     for plan in plans:
         plan.lib = _StubbedCall(plan.lib)
+    grads = [param.grad for param in params]
     times = []
     for _ in range(steps):
+        if zero_grad:
+            for param, grad in zip(params, grads):
+                param.grad = grad
         started = time.perf_counter()
-        opt.step()
+        opt.zero_grad() if zero_grad else opt.step()
         times.append((time.perf_counter() - started) * 1e6)
     return times
 
@@ -70,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", default="bf16,light,plus")
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--zero-grad", action="store_true",
+                        help="time opt.zero_grad() instead of the step")
     args = parser.parse_args(argv)
     tree = Path(args.tree).resolve()
     sys.path[:0] = [str(tree / "src")]
@@ -80,9 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"imported collage from {collage.__file__}, not {tree}")
     torch.set_num_threads(args.threads)
     for strategy in args.strategies.split(","):
-        times = _host_times(strategy, args.size, args.steps)
+        times = _host_times(strategy, args.size, args.steps, args.zero_grad)
         deciles = statistics.quantiles(times, n=10)
         print(json.dumps({"tree": str(tree), "strategy": strategy, "size": args.size,
+                          "timed": "zero_grad" if args.zero_grad else "step",
                           "median_us": round(statistics.median(times), 1),
                           "p10_us": round(deciles[0], 1), "p90_us": round(deciles[-1], 1)}))
     return 0

@@ -778,9 +778,9 @@ def test_step_hooks_follow_torchs_order_and_contract():
 
 @pytest.mark.parametrize("rule", RULES)
 def test_the_profiler_records_each_step_under_torchs_name(rule, monkeypatch):
-    """Where a profiler runs, each step is recorded as torch's own wrapper names it
-    (``Optimizer.step#<class>.step``); where none runs, no record is entered (13 us a
-    step)."""
+    """Where a profiler runs, each step and ``zero_grad`` is recorded as torch names it
+    (``Optimizer.step#<class>.step``, ``Optimizer.zero_grad#<class>.zero_grad``); where
+    none runs, no record is entered (13 us each)."""
     p = _param()
     opt = _make(rule, [p])
     entered = []
@@ -794,12 +794,18 @@ def test_the_profiler_records_each_step_under_torchs_name(rule, monkeypatch):
         patched.setattr(torch.autograd.profiler, "record_function", counted)
         for step in range(2):
             _step(opt, [p], step)
+            opt.zero_grad()
+            assert p.grad is None
     assert entered == []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for step in range(2, 4):
             _step(opt, [p], step)
-    name = f"Optimizer.step#{type(opt).__name__}.step"
-    assert [e.count for e in prof.key_averages() if e.key == name] == [2]
+            opt.zero_grad()
+            assert p.grad is None
+    names = [f"Optimizer.{method}#{type(opt).__name__}.{method}"
+             for method in ("step", "zero_grad")]
+    assert [[e.count for e in prof.key_averages() if e.key == name] for name in names] == [
+        [2], [2]]
 
 
 @pytest.mark.parametrize("rule", RULES)

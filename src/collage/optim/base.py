@@ -228,10 +228,21 @@ class CollageOptimizer(Optimizer):
                           stacklevel=5)
             self._warned = True
 
+    @torch.compiler.disable  # as torch's
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch.optim's, and the accumulated gradients dropped (``grad_accumulation``)."""
+        """torch.optim's, and the accumulated gradients dropped (``grad_accumulation``).
+        torch's enters a profiler record (``Optimizer.zero_grad#<class>.zero_grad``) on
+        every call, profiler or not (13 us, as the step's wrapper did: a small model's
+        training step pays both); where no profiler runs, the default (``set_to_none``)
+        is torch's loop without it."""
         self._sums.clear()
-        super().zero_grad(set_to_none)
+        if not set_to_none or torch._C._autograd._profiler_enabled():
+            super().zero_grad(set_to_none)
+            return
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad = None
 
     # ----------------------------------------------------------------------- gradients
 
