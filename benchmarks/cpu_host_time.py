@@ -41,7 +41,6 @@ def _host_times(strategy: str, size: str, steps: int, zero_grad: bool) -> list[f
     import collage  # noqa: PLC0415 - the tree's, after main() set the path
     import torch  # noqa: PLC0415
     from collage.bench.common import gpt_shapes  # noqa: PLC0415
-    from collage.optim.native import plan as native_plan  # noqa: PLC0415
 
     generator = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter((torch.randn(shape, generator=generator) * 0.02).to(

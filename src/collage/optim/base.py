@@ -36,6 +36,7 @@ from .rules import Rule
 
 __all__ = ["CollageOptimizer", "NONFINITE_POLICIES"]
 
+
 def _with_step_hooks(step: Callable[..., Any]) -> Callable[..., Any]:
     """``step`` as ``torch.optim.Optimizer`` wraps every optimizer's step
     (``profile_hook_step``): the global then the optimizer's step pre-hooks (each may
