@@ -737,7 +737,7 @@ def test_global_step_hooks_run_for_collage_optimizers(rule):
 
 
 def test_step_hooks_follow_torchs_order_and_contract():
-    """The step's own wrapper (``base._with_step_hooks``, which replaces torch's
+    """The step's own wrapper (``step_hooks.optimizer_step``, which replaces torch's
     ``profile_hook_step``) keeps torch's order (global pre, own pre, the step, own post,
     global post), lets a pre-hook replace the step's arguments (here: a closure, whose
     loss the step returns), passes the replaced arguments to the post-hooks, and

@@ -15,19 +15,14 @@ strategy is a parameter (and a per-group key), never a subclass.
 from __future__ import annotations
 
 import contextlib
-import functools
-import itertools
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
-# torch's registries of global step hooks (``register_optimizer_step_pre_hook``): read by
-# our step's own wrapper, as torch's wrapper reads them (:func:`_with_step_hooks`)
-from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from . import admission, backward, dispatch, nonfinite, state_io, stepping
+from . import admission, backward, dispatch, nonfinite, state_io, step_hooks, stepping
 from .admission import GroupBook
 from .autopilot import Autopilot, Decision, Pilot
 from .edits import WriteLog
@@ -35,47 +30,6 @@ from .nonfinite import NONFINITE_POLICIES, FiniteProof, settle_skips
 from .rules import Rule
 
 __all__ = ["CollageOptimizer", "NONFINITE_POLICIES"]
-
-
-def _with_step_hooks(step: Callable[..., Any]) -> Callable[..., Any]:
-    """``step`` as ``torch.optim.Optimizer`` wraps every optimizer's step
-    (``profile_hook_step``): the global then the optimizer's step pre-hooks (each may
-    return new ``(args, kwargs)``), the step, ``_optimizer_step_code`` (where torch's
-    profiler sees a step), the optimizer's then the global post-hooks; and the step
-    recorded as ``Optimizer.step#<class>.step`` where a profiler runs. torch's wrapper
-    enters that record every step, profiler or not: 13 us a step here, as much as a
-    small model's whole check of its tensors (#40, #31). ``hooked`` tells torch's
-    ``_patch_step_function`` not to wrap it again."""
-
-    @functools.wraps(step)
-    def hooked(*args: Any, **kwargs: Any) -> Any:
-        if torch._C._autograd._profiler_enabled():
-            with torch.autograd.profiler.record_function(
-                    f"Optimizer.step#{type(args[0]).__name__}.step"):
-                return _hooks_around(step, args, kwargs)
-        return _hooks_around(step, args, kwargs)
-
-    hooked.hooked = True  # type: ignore[attr-defined]
-    return hooked
-
-
-def _hooks_around(step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """torch's order and contract for the step hooks (``profile_hook_step``)."""
-    optimizer = args[0]
-    for pre_hook in itertools.chain(_global_optimizer_pre_hooks.values(),
-                                    optimizer._optimizer_step_pre_hooks.values()):
-        result = pre_hook(optimizer, args, kwargs)
-        if result is not None:
-            if not (isinstance(result, tuple) and len(result) == 2):
-                raise RuntimeError(f"{step} must return None or a tuple of (new_args, "
-                                   f"new_kwargs), but got {result}.")
-            args, kwargs = result
-    out = step(*args, **kwargs)
-    optimizer._optimizer_step_code()
-    for post_hook in itertools.chain(optimizer._optimizer_step_post_hooks.values(),
-                                     _global_optimizer_post_hooks.values()):
-        post_hook(optimizer, args, kwargs)
-    return out
 
 
 #: the books' class under its former name here, so that optimizers pickled before the books
@@ -178,13 +132,8 @@ class CollageOptimizer(Optimizer):
 
     # ----------------------------------------------------------------------- step
 
-    # Never traced by dynamo: inside a torch.compile'd training step, inductor would drop the
-    # bf16 round trips the compensation terms are made of (weight_lo and the Kahan
-    # compensation become 0). The step runs eagerly there; fused=True compiles its own
-    # kernels with the casts kept.
-    @_with_step_hooks
-    @torch.compiler.disable
-    @torch.no_grad()
+    # torch's step hooks around it, under no_grad, never traced by dynamo (step_hooks.py)
+    @step_hooks.optimizer_step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step; returns the closure's loss (or None).
 
@@ -231,19 +180,11 @@ class CollageOptimizer(Optimizer):
 
     @torch.compiler.disable  # as torch's
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch.optim's, and the accumulated gradients dropped (``grad_accumulation``).
-        torch's enters a profiler record (``Optimizer.zero_grad#<class>.zero_grad``) on
-        every call, profiler or not (13 us, as the step's wrapper did: a small model's
-        training step pays both); where no profiler runs, the default (``set_to_none``)
-        is torch's loop without it."""
+        """torch.optim's (without its profiler record where none runs:
+        ``step_hooks.zero_grads``), and the accumulated gradients dropped."""
         self._sums.clear()
-        if not set_to_none or torch._C._autograd._profiler_enabled():
+        if not step_hooks.zero_grads(self, set_to_none):
             super().zero_grad(set_to_none)
-            return
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    param.grad = None
 
     # ----------------------------------------------------------------------- gradients
 
