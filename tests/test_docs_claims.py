@@ -19,7 +19,9 @@ or table that goes stale fails CI (issue #25).
 * docs/reliability.md's table of what is set from an edited weight, against the strategies'
   declared components (below); that a step at ``lr = 0`` after an edit keeps the edited
   weights, and each "Weights written between steps" sentence that states a behaviour:
-  ``tests/optim/test_edits.py``.
+  ``tests/optim/test_edits.py``;
+* the tables of docs/benchmarks/amd-epyc-2c_2026-12-06_ceiling.md (#40's goals against the
+  CPU step's ceiling) against ``benchmarks/studies/cpu_ceiling.py`` on the committed runs.
 """
 
 from __future__ import annotations
@@ -395,3 +397,20 @@ def test_the_study_s_records_are_not_ignored_by_git():
     done = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q",
                            "docs/reports/study/runs/any-run/result.json"], check=False)
     assert done.returncode == 1  # 1: not ignored; 0: ignored
+
+
+def test_the_cpu_ceiling_tables_are_what_the_study_computes():
+    """docs/benchmarks/amd-epyc-2c_2026-12-06_ceiling.md's tables (#40's goals against the
+    step's ceiling) are ``benchmarks/studies/cpu_ceiling.py``'s output on the committed
+    runs: each of its table rows, section by section, is in the record."""
+    runs = "docs/benchmarks/amd-epyc-2c_2026-12-06_ceiling-*t-run*.json"
+    core = "docs/benchmarks/amd-epyc-2c_2026-12-06_ceiling-core-run*.txt"
+    script = ROOT / "benchmarks" / "studies" / "cpu_ceiling.py"
+    done = subprocess.run([sys.executable, str(script), runs, "--core", core], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = (ROOT / "docs" / "benchmarks" / "amd-epyc-2c_2026-12-06_ceiling.md").read_text()
+    sections = done.stdout.strip().split("### ")[1:]
+    assert len(sections) == 4  # 17M and 111M, on two threads and on one
+    for section in sections:
+        assert "### " + section.strip() in record, section.splitlines()[0]
