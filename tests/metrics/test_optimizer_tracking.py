@@ -3,8 +3,6 @@ step, agreement between paths, and measuring never changes the step."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 

@@ -10,8 +10,6 @@ the in-backward path.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint

@@ -27,7 +27,6 @@ import pytest
 import torch
 
 import collage
-from collage.optim import native
 
 from ._common import bits
 

@@ -43,7 +43,6 @@ from hypothesis import strategies as st
 
 import collage
 from collage.mcf import format_info, round_to
-from collage.optim import kernels
 from collage.optim.strategies import get_strategy
 
 from ._support import (
