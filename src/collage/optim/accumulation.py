@@ -34,6 +34,7 @@ from collections.abc import Iterable
 import torch
 
 from .hooks import HookSet, refuse_data_parallel
+from .step_hooks import never_traced
 
 __all__ = ["GradSums", "PairHooks", "combine", "split"]
 
@@ -235,7 +236,7 @@ class PairHooks(HookSet):
             return False
 
     # Autograd calls the hooks in the middle of backward: never traced
-    @torch.compiler.disable
+    @never_traced
     def _before(self, param_ref: weakref.ref, grad: torch.Tensor) -> None:
         param = param_ref()
         owner = self.active_owner(param)
@@ -245,6 +246,6 @@ class PairHooks(HookSet):
                 owner._sums.before(param)
 
 
-@torch.compiler.disable
+@never_traced
 def _after(owner, param: torch.Tensor) -> None:
     owner._sums.after(param)

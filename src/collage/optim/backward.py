@@ -35,6 +35,7 @@ from .edits import hides_weight
 from .hooks import HookSet, inside_reentrant_backward, refuse_data_parallel
 from .nonfinite import finite_items_in_backward, report_skipped
 from .stepping import Batch, group_step, item_of, measuring
+from .step_hooks import never_traced
 from .strategies import get_strategy
 
 __all__ = ["GRAD_ACCUMULATIONS", "BUCKETS", "BUCKET_MAX_ELEMENTS", "Cycle", "check_keywords",
@@ -147,7 +148,7 @@ def _hooked_feature(optimizer) -> str:
 
 
 # Autograd calls it in the middle of backward: never traced (see CollageOptimizer.step).
-@torch.compiler.disable
+@never_traced
 @torch.no_grad()
 def on_grad_ready(optimizer, param: torch.Tensor) -> None:
     """A parameter's gradient is complete (its post-accumulate-grad hook)."""

@@ -178,7 +178,7 @@ class CollageOptimizer(Optimizer):
                           stacklevel=5)
             self._warned = True
 
-    @torch.compiler.disable  # as torch's
+    @step_hooks.never_traced  # as torch's
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch.optim's (without its profiler record where none runs:
         ``step_hooks.zero_grads``), and the accumulated gradients dropped."""
