@@ -34,8 +34,8 @@ from .admission import check_groups, convert_strategies, param_names
 from .edits import hides_weight
 from .hooks import HookSet, inside_reentrant_backward, refuse_data_parallel
 from .nonfinite import finite_items_in_backward, report_skipped
-from .stepping import Batch, group_step, item_of, measuring
 from .step_hooks import never_traced
+from .stepping import Batch, group_step, item_of, measuring
 from .strategies import get_strategy
 
 __all__ = ["GRAD_ACCUMULATIONS", "BUCKETS", "BUCKET_MAX_ELEMENTS", "Cycle", "check_keywords",
