@@ -26,14 +26,12 @@ rounds, the call's own cost subtracted) and prints it in the ``--core`` files' f
 from __future__ import annotations
 
 import argparse
-import ctypes
 import glob
 import json
 import statistics
 import sys
 import time
 from array import array
-from itertools import chain
 
 import torch
 
@@ -60,7 +58,7 @@ def _row_table(strategy, n: int) -> tuple[array, tuple]:
     strategy.init_state(ADAMW, param, state)
     grad = (torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16)
     row = calls.table_row(calls.row_tensors(ADAMW, strategy, param, grad, state), 0, 12345, 678)
-    return array("q", chain(row)), (param, state, grad)
+    return array("q", row), (param, state, grad)
 
 
 def _seconds_per_call(lib, strategy, table: array, n: int) -> float:
@@ -70,8 +68,7 @@ def _seconds_per_call(lib, strategy, table: array, n: int) -> float:
     for _ in range(7):
         start = time.perf_counter()
         for _ in range(reps):
-            lib.collage_adamw_threads(strategy.native_code, flags, 1, table.buffer_info()[0],
-                                      h.buffer_info()[0], 1)
+            calls.call_threads(lib, strategy.native_code, flags, 1, table, h, 1)
         best = min(best, (time.perf_counter() - start) / reps)
     return best
 
@@ -83,17 +80,14 @@ def measure(names: list[str]) -> None:
     lib = build.load()
     if lib is None:
         sys.exit("the native library did not load: nothing to measure")
-    lib.collage_adamw_threads.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
-                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     for name in names:
         strategy = get_strategy(name)
-        table, _ = _row_table(strategy, 32)
+        table, _kept = _row_table(strategy, 32)
         call = _seconds_per_call(lib, strategy, table, 32)
         cells = []
         for n in SIZES:
-            table, kept = _row_table(strategy, n)
+            table, _kept = _row_table(strategy, n)  # (the tensors the table points into)
             cells.append(f"{n}:{(_seconds_per_call(lib, strategy, table, n) - call) / n * 1e9:.3f}")
-            del kept
         print(name, *cells, flush=True)
 
 
