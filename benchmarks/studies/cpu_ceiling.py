@@ -41,10 +41,6 @@ from collage.optim.rules import ADAMW
 
 #: #40's goals (x torch's fused AdamW, two threads, 17M and 111M parameters)
 GOALS = {"bf16": 1.5, "stochastic": 1.4, "light": 1.3, "kahan": 1.2, "split": 1.1, "plus": 1.1}
-#: bytes per parameter the step moves, the check's read of the gradient not included
-STEP_BYTES = {"bf16": 14, "stochastic": 14, "light": 18, "kahan": 18, "split": 22, "plus": 22}
-#: the non-finite check's read of a bf16 gradient
-CHECK_BYTES = 2
 SIZES = (8192, 65536, 1 << 20)
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, maximize=False)
 
@@ -108,7 +104,10 @@ def arithmetic(paths: list[str]) -> dict[str, float]:
 def ceiling(runs: list[dict], size: str, A: dict[str, float]) -> list[str]:
     """The table of ``size`` from ``runs`` (all on one thread count)."""
     threads = runs[0]["environment"]["threads"]
-    torch_ns, bandwidth, measured = [], [], {}
+    # per strategy: the speed-ups, and the bytes per parameter of the step and of its check
+    # as the bench derives them from the strategy (``bytes_per_param``, the check's read
+    # included, and ``check_bytes_per_param``)
+    torch_ns, bandwidth, measured, step_bytes, check_bytes = [], [], {}, {}, {}
     for run in runs:
         entry = next(s for s in run["sizes"] if s["size"] == size)
         bandwidth.append(max(entry["copy_GBps"], entry["add_GBps"]))
@@ -116,16 +115,19 @@ def ceiling(runs: list[dict], size: str, A: dict[str, float]) -> list[str]:
             if row["strategy"] is None:
                 torch_ns.append(row["ns_per_param"]["median"])
             elif row.get("nonfinite") == "skip":
-                measured.setdefault(row["strategy"], []).append(row["speedup_vs_torch_fused"])
+                name = row["strategy"]
+                measured.setdefault(name, []).append(row["speedup_vs_torch_fused"])
+                check_bytes[name] = row["check_bytes_per_param"]
+                step_bytes[name] = row["bytes_per_param"] - check_bytes[name]
     T, BW = statistics.median(torch_ns), statistics.median(bandwidth)
     lines = [f"### {size}, {threads} thread(s): torch fused {T:.3f} ns/param, bandwidth "
              f"{BW:.1f} GB/s ({len(runs)} run(s))", "",
              "| strategy | A (ns/elem, one core) | bytes bound | ceiling | measured (median) "
              "| goal | A needed | change needed |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    check = CHECK_BYTES / BW
     for name, goal in GOALS.items():
-        best = max(A[name] / threads, STEP_BYTES[name] / BW) + check
-        bytes_bound = T / (STEP_BYTES[name] / BW + check)
+        check = check_bytes[name] / BW
+        best = max(A[name] / threads, step_bytes[name] / BW) + check
+        bytes_bound = T / (step_bytes[name] / BW + check)
         needed = threads * (T / goal - check)
         lines.append(f"| `{name}` | {A[name]:.3f} | {bytes_bound:.2f}x | {T / best:.2f}x | "
                      f"{statistics.median(measured[name]):.2f}x | {goal}x | {needed:.3f} | "
