@@ -10,13 +10,14 @@ real runs; and for the dividends the step passes through (+0, -0, inf, NaN)."""
 from __future__ import annotations
 
 import ctypes
-import math
 
 import numpy as np
 import pytest
 import torch
 
 from collage.optim import native
+
+from ._division import DIVISORS, SIGNIFICANDS, special_dividends
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 
@@ -25,10 +26,6 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels u
 #: one divides by the IEEE division), each 2**23 dividends a divisor
 VECTOR_BUILDS = pytest.mark.parametrize("kernel_lib", ["default", "avx2", "vec128"],
                                         indirect=True)
-
-#: every float32 in [1, 2): the significands (the exponents scale out of the quotient, which
-#: neither overflows nor underflows for a square root over a divisor in (0, 1])
-SIGNIFICANDS = torch.arange(0x3F800000, 0x40000000, dtype=torch.int32).view(torch.float32)
 
 
 def _over(x: torch.Tensor, b: float, lib) -> torch.Tensor:
@@ -39,33 +36,6 @@ def _over(x: torch.Tensor, b: float, lib) -> torch.Tensor:
     if status == -1:
         pytest.skip("this build has no vector kernels (its division is the IEEE one)")
     return out
-
-
-def _worst_reciprocals(count: int) -> list[float]:
-    """The divisors in [1, 2) whose float32 reciprocal is farthest from 1 / b (in ulps of
-    the reciprocal, float64 reference: 1 / b of a 24-bit b is exact to 2^-53)."""
-    b = SIGNIFICANDS.numpy().astype(np.float64)
-    rounded = (1.0 / SIGNIFICANDS).numpy().astype(np.float64)  # float32 division: IEEE
-    exact = 1.0 / b
-    ulp = np.ldexp(1.0, np.floor(np.log2(exact)).astype(np.int64) - 23)
-    error = np.abs(rounded - exact) / ulp
-    return [float(SIGNIFICANDS[i]) for i in np.argsort(-error)[:count]]
-
-
-def _bias_corrections() -> list[float]:
-    """``sqrt(1 - beta2**t)`` as the native path passes it (float64, rounded to float32),
-    for common betas and steps, scaled into [1, 2) (a power of two is exact)."""
-    out = []
-    for beta2 in (0.999, 0.95, 0.98, 0.99, 0.9999):
-        for step in (1, 2, 3, 10, 100, 1000, 5000):
-            value = float(np.float32(math.sqrt(1.0 - beta2**step)))
-            if value < 1.0:
-                out.append(math.ldexp(value, -math.frexp(value)[1] + 1))
-    return out
-
-
-DIVISORS = sorted({*_worst_reciprocals(6), float(np.nextafter(np.float32(2), 0)),
-                   float(np.nextafter(np.float32(1), 2)), 1.5, *_bias_corrections()[:10]})
 
 
 @pytest.mark.parametrize("b", DIVISORS, ids=lambda b: f"{np.float32(b).view(np.uint32):#x}")
@@ -82,9 +52,7 @@ def test_every_significand_is_the_ieee_quotient(b: float, kernel_lib) -> None:
 def test_the_values_passed_through_and_the_extremes(b: float, kernel_lib) -> None:
     """+0, -0, inf and NaN (with its payload) come back as the division gives them; the
     smallest and largest square roots a float32 second moment has are divided exactly."""
-    x = torch.tensor([0.0, -0.0, float("inf"), float("nan"), 2.0**-74.5, 2.0**-63,
-                      1.8446743e19, 1.0, 3.0, 1e-20] + [7.0] * 6, dtype=torch.float32)
-    x[3] = torch.tensor(0x7FC12345, dtype=torch.int32).view(torch.float32)  # a payload
+    x = special_dividends()
     got = _over(x, b, kernel_lib)
     want = x / torch.tensor(b, dtype=torch.float32)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -1,6 +1,6 @@
 """The Triton kernels' arithmetic on CPU, through Triton's interpreter, against exact
-references: the fused multiply-add, stochastic rounding to bf16 over
-every bf16 spacing, and the per-mode copies of the kernel modules. The optimizer's steps
+references: the fused multiply-add, the division by a per-row constant, stochastic
+rounding to bf16 over every bf16 spacing, and the per-mode copies of the kernel modules. The optimizer's steps
 through the same kernels are ``test_triton.py``'s."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import torch
 
 from collage.optim import rounding
 from collage.optim.triton import launch as launches
+
+from ._division import DIVISORS, SIGNIFICANDS, special_dividends, worst_reciprocals
 
 pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("triton_interpreter")]
 
@@ -34,6 +36,46 @@ def test_fma_is_correctly_rounded_in_the_interpreter():
     out = torch.empty(n)
     module.fma_probe[(n // 256,)](a, b, c, out, n, EMULATE_FMA=True, BLOCK=256)
     assert torch.equal(out.view(torch.int32), torch.addcmul(c, a, b).view(torch.int32))
+
+
+def _div_by_row(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``x / c`` elementwise as the kernels divide by a row's constant (AdamW's ``sqrt(v) /
+    c3``: ``kernels.arithmetic._div_by_row``, the reciprocal of each ``c``), interpreted."""
+    module = launches.kernel_module(True)
+    out = torch.empty_like(x)
+    block = 1 << 16  # one interpreted program per 65,536 elements (its cost is per program)
+    module.div_by_row_probe[(-(-x.numel() // block),)](x, c, out, x.numel(), EMULATE_FMA=True,
+                                                       BLOCK=block)
+    return out
+
+
+def _assert_ieee_quotient(x: torch.Tensor, c: torch.Tensor) -> None:
+    got = _div_by_row(x, c)
+    want = x / c  # IEEE, correctly rounded
+    differ = (got.view(torch.int32) != want.view(torch.int32)).nonzero().flatten()
+    assert differ.numel() == 0, [(float(x[i]), float(c[i])) for i in differ[:5]]
+
+
+@needs_triton
+def test_the_division_by_a_row_constant_is_the_ieee_quotient():
+    """The C kernels' divisors (``_division.py``: the worst-rounded reciprocals, the
+    all-ones and 1 + ulp significands, bias corrections of real runs), moved into (0, 1]
+    where AdamW's ``c3`` lies and down to ``2**-20`` (a power of two: the same significand
+    problem), each with every 32nd dividend significand (a different 32nd each), and the
+    worst-rounded reciprocal with every one: bit for bit IEEE. Then the dividends passed
+    through (+0 keeps its sign, -0 too, inf, NaN with its payload) and the extreme square
+    roots."""
+    xs, cs = [], []
+    for k, b in enumerate(DIVISORS):
+        x = SIGNIFICANDS[k % 32::32]
+        xs.append(x)
+        cs.append(torch.full_like(x, b * (0.5 if k % 2 else 2.0**-20)))
+    _assert_ieee_quotient(torch.cat(xs), torch.cat(cs))
+    worst = worst_reciprocals(1)[0] * 0.5
+    _assert_ieee_quotient(SIGNIFICANDS, torch.full_like(SIGNIFICANDS, worst))
+    special = special_dividends()
+    for b in (1.0, 0.03162277, 0.5, 0.7071068, 0.9995, 2.0**-26):
+        _assert_ieee_quotient(special, torch.full_like(special, b))
 
 
 @needs_triton

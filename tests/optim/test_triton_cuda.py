@@ -29,6 +29,7 @@ from collage.optim.triton import launch as launches
 from collage.train.memory import bytes_per_param
 
 from ._common import RULE_CASES, weight_dtype
+from ._division import DIVISORS, SIGNIFICANDS, special_dividends
 
 pytestmark = [
     pytest.mark.cuda,
@@ -153,6 +154,29 @@ def test_hardware_fma_is_torch_s():
     out = torch.empty_like(a)
     module.fma_probe[(n // 1024,)](a, b, c, out, n, EMULATE_FMA=False, BLOCK=1024)
     assert torch.equal(out.view(torch.int32), torch.addcmul(c, a, b).view(torch.int32))
+
+
+def test_the_division_by_a_row_constant_is_cuda_s():
+    """``kernels.arithmetic._div_by_row`` compiled (hardware fused multiply-adds, the
+    reciprocal by ``div.rn``) against CUDA's IEEE division, bit for bit but a NaN's
+    payload: every dividend significand for each of the C tests' divisors moved into
+    (0, 1], and the dividends passed through."""
+    module = launches.kernel_module(False)
+    special = special_dividends()
+    for b in DIVISORS:
+        for x in (SIGNIFICANDS, special):
+            x = x.to(CUDA)
+            c = torch.full_like(x, b * 0.5)
+            out = torch.empty_like(x)
+            module.div_by_row_probe[(-(-x.numel() // 1024),)](x, c, out, x.numel(),
+                                                               EMULATE_FMA=False,
+                                                               BLOCK=1024)
+            want = x / c
+            # NaN: a GPU's division returns its canonical NaN, the kernel the dividend
+            # (payload kept; the step's next addition makes it canonical there too)
+            same = (out.view(torch.int32) == want.view(torch.int32)) | \
+                (out.isnan() & want.isnan())
+            assert bool(same.all()), b
 
 
 @pytest.mark.parametrize("nonfinite", ["skip", "ignore"])

@@ -35,7 +35,10 @@ one the eager path rounds, in its order, correctly rounded:
 
 * division and square root are ``tl.div_rn`` and ``tl.sqrt_rn`` (IEEE). Triton's ``/`` and
   ``tl.sqrt`` are approximate on NVIDIA GPUs (``div.full.f32``, ``sqrt.approx.f32``: up to
-  2 ulp), which torch's kernels, on CPU and CUDA, are not;
+  2 ulp), which torch's kernels, on CPU and CUDA, are not. AdamW's division by a row's
+  constant, the bias correction's root, is its reciprocal once a tile and one correction
+  by fused multiply-adds (``arithmetic._div_by_row``: the IEEE quotient, as the C kernels
+  compute it);
 * a multiply and an add that torch rounds separately stay separate: the launch turns
   Triton's contraction into fused multiply-adds off (``enable_fp_fusion=False``), and the
   fused multiply-adds torch does compute (``lerp``, ``add(alpha=)``, ``addcmul``) are explicit
@@ -49,9 +52,10 @@ one the eager path rounds, in its order, correctly rounded:
 
 from __future__ import annotations
 
-from .arithmetic import fma_probe
+from .arithmetic import div_by_row_probe, fma_probe
 from .check import nonfinite_check
 from .draws import stochastic_draw16_probe
 from .step import multi_tensor_step
 
-__all__ = ["multi_tensor_step", "nonfinite_check", "fma_probe", "stochastic_draw16_probe"]
+__all__ = ["multi_tensor_step", "nonfinite_check", "fma_probe", "div_by_row_probe",
+           "stochastic_draw16_probe"]

@@ -76,6 +76,42 @@ def _axpy(base, update, scale, HAS_SCALE: tl.constexpr, EMULATE_FMA: tl.constexp
 
 
 @triton.jit
+def _div_by_row(x, c, reciprocal, EMULATE_FMA: tl.constexpr):
+    """``x / c`` correctly rounded (the bits of ``tl.div_rn(x, c)``) for a per-row constant
+    ``c`` whose reciprocal, rounded to nearest, is computed once a tile: a multiply and two
+    fused multiply-adds an element instead of a division's approximate reciprocal, its
+    refinement and its range check (``FCHK`` and a branch; issue #44).
+
+    The C kernels' division by the bias correction (``rounding.h``: ``v_over_bc2s``), the
+    same operations: ``q = RN(x * r)`` with ``r = RN(1 / c)``, corrected once, ``RN(q -
+    RN(q * c - x) * r)`` (Markstein's correction; the residual ``q * c - x`` is exact).
+    The corrected quotient is the IEEE one for every dividend significand of the 1,000,000
+    divisor significands whose reciprocals are the worst rounded (checked offline,
+    ``benchmarks/studies/division_search.c``; docs/strategies.md): a tested result for
+    those divisors, not a proof for every one. Its domain, which AdamW's ``sqrt(v) / c3``
+    keeps: ``c`` in ``(0, 1]`` and ``x`` a square root, never subnormal, so that the
+    quotient neither overflows nor underflows. That form keeps a zero's sign (``-0``: the
+    residual is ``+0``, ``-0 - +0 * r = -0``); an infinite or NaN ``x``, which the
+    correction would turn into NaN, is passed through, as the division passes it."""
+    q = x * reciprocal
+    residual = _fma(q, c, -x, EMULATE_FMA)
+    corrected = _fma(-residual, reciprocal, q, EMULATE_FMA)
+    return tl.where(tl.abs(x) < float("inf"), corrected, x)
+
+
+@triton.jit
+def div_by_row_probe(x, c, out, n, EMULATE_FMA: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = x / c`` elementwise by :func:`_div_by_row` with the reciprocal of each
+    element's ``c`` (the tests check it against IEEE division)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    divisor = tl.load(c + offs, mask=mask, other=1.0)
+    quotient = _div_by_row(tl.load(x + offs, mask=mask), divisor, tl.div_rn(1.0, divisor),
+                           EMULATE_FMA)
+    tl.store(out + offs, quotient, mask=mask)
+
+
+@triton.jit
 def _finite(x):
     """Whether float32 ``x`` is finite (exponent not all ones)."""
     return (x.to(tl.uint32, bitcast=True) & 0x7F800000) != 0x7F800000

@@ -6,16 +6,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .arithmetic import _fma, _lerp
+from .arithmetic import _div_by_row, _fma, _lerp
 
 
 @triton.jit
 def _adamw(g, m, v, c0, c1, c2, c3, c4, c5, EMULATE_FMA: tl.constexpr):
     """AdamW's moments and update (k: one_minus_beta1, beta2, one_minus_beta2,
-    bias_correction2_sqrt, eps, step_size), in the eager path's operations and order."""
+    bias_correction2_sqrt, eps, step_size), in the eager path's operations and order.
+
+    ``sqrt(v) / c3`` divides by a per-row constant: by its reciprocal, computed once a
+    tile, and one correction (:func:`_div_by_row`, the same bits: ``sqrt(v)`` is never
+    subnormal and ``c3 = sqrt(1 - beta2**step)`` lies in ``(0, 1]``). The update's
+    division, by each element's ``denom``, stays the IEEE one (``tl.div_rn``)."""
     m = _lerp(m, g, c0, EMULATE_FMA)
     v = _fma(g * c2, g, v * c1, EMULATE_FMA)
-    denom = tl.div_rn(tl.sqrt_rn(v), c3) + c4
+    denom = _div_by_row(tl.sqrt_rn(v), c3, tl.div_rn(1.0, c3), EMULATE_FMA) + c4
     update = tl.div_rn(m * -c5, denom)
     return m, v, update
 
