@@ -1,7 +1,7 @@
 """The Triton kernels' arithmetic on CPU, through Triton's interpreter, against exact
 references: the fused multiply-add, the division by a per-row constant, stochastic
-rounding to bf16 over every bf16 spacing, and the per-mode copies of the kernel modules. The optimizer's steps
-through the same kernels are ``test_triton.py``'s."""
+rounding to bf16 over every bf16 spacing, and the per-mode copies of the kernel modules.
+The optimizer's steps through the same kernels are ``test_triton.py``'s."""
 
 from __future__ import annotations
 
