@@ -21,7 +21,9 @@ or table that goes stale fails CI (issue #25).
   weights, and each "Weights written between steps" sentence that states a behaviour:
   ``tests/optim/test_edits.py``;
 * the tables of docs/benchmarks/amd-epyc-2c_2026-12-06_ceiling.md (#40's goals against the
-  CPU step's ceiling) against ``benchmarks/studies/cpu_ceiling.py`` on the committed runs.
+  CPU step's ceiling) against ``benchmarks/studies/cpu_ceiling.py`` on the committed runs;
+* the GPU model's before -> after tables (the gpu-model record's and docs/gpu.md's)
+  against ``benchmarks/gpu_compare.py`` on the record's JSON.
 """
 
 from __future__ import annotations
@@ -414,3 +416,34 @@ def test_the_cpu_ceiling_tables_are_what_the_study_computes():
     assert len(sections) == 4  # 17M and 111M, on two threads and on one
     for section in sections:
         assert "### " + section.strip() in record, section.splitlines()[0]
+
+
+GPU_MODEL_RECORD = ROOT / "docs" / "benchmarks" / "amd-epyc-2c_2026-12-07_gpu-model"
+
+
+def _gpu_compare(before: str, after: str) -> list[str]:
+    """``benchmarks/gpu_compare.py``'s two tables (default, ``ignore``) of the record's
+    JSON keys ``before`` and ``after``."""
+    record = f"{GPU_MODEL_RECORD}.json"
+    script = ROOT / "benchmarks" / "gpu_compare.py"
+    done = subprocess.run([sys.executable, str(script), f"{record}:{before}",
+                           f"{record}:{after}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tables = done.stdout.strip().split("\n\n")
+    assert len(tables) == 2
+    return tables
+
+
+def test_the_gpu_model_tables_are_what_the_comparison_computes():
+    """The gpu-model record's "before and after" tables (4d569cc's kernels -> this tree's)
+    and its third change's (1522bbb's -> this tree's), and docs/gpu.md's copies of the
+    first two, are ``benchmarks/gpu_compare.py``'s output on the record's JSON: a figure
+    edited by hand, or a JSON re-run without its tables, fails."""
+    record = Path(f"{GPU_MODEL_RECORD}.md").read_text()
+    gpu_doc = (ROOT / "docs" / "gpu.md").read_text()
+    for table in _gpu_compare("before", "after"):
+        assert table in record
+        assert table in gpu_doc
+    for table in _gpu_compare("previous", "after"):
+        assert table in record
