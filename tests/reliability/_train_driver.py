@@ -9,11 +9,16 @@ Environment:
   ``os.replace`` publishes it), ``final`` (half-way through writing ``model_fp32.pt``'s temporary file
   at the end of the run), or empty (no pause: the parent kills at a random time);
 * ``RELIABILITY_PAUSE_AT``: pause at the n-th checkpoint save (``write``/``rename``);
-* ``RELIABILITY_MARKER``: a file created when the process has paused.
+* ``RELIABILITY_MARKER``: a file created when the process has paused;
+* ``RELIABILITY_GATE``: a file to wait for, once everything ``collage train`` imports is
+  imported, before training starts: the parent starts the next round's process while it
+  resumes this one, and lets it train when it is ready to kill it (the imports, about
+  three seconds a process, overlap the resume).
 """
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import sys
@@ -69,6 +74,12 @@ def main() -> int:
                  os.environ["RELIABILITY_MARKER"])
     from collage.cli import main as cli_main
 
+    gate = os.environ.get("RELIABILITY_GATE", "")
+    if gate:
+        importlib.import_module("torch._dynamo")  # what building the optimizer imports
+
+        while not os.path.exists(gate):
+            time.sleep(0.01)
     return cli_main(sys.argv[1:])
 
 
