@@ -127,7 +127,9 @@ def read_sass(cubin: bytes) -> Sass:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(cubin)
         handle.flush()
-        text = subprocess.run([str(_BIN / "nvdisasm"), "-c", "-hex", handle.name],
+        # -ndf: no dataflow analysis, which only annotates; the same text (every row of
+        # the gpu-model record byte for byte) in 0.37 s instead of 0.49 s a variant
+        text = subprocess.run([str(_BIN / "nvdisasm"), "-c", "-hex", "-ndf", handle.name],
                               capture_output=True, text=True, check=True).stdout
         usage = subprocess.run([str(_BIN / "cuobjdump"), "-res-usage", handle.name],
                                capture_output=True, text=True, check=True).stdout
