@@ -90,8 +90,8 @@ from gpu_sass import (  # noqa: E402
     fast_path, fast_path_indices, kernels_at, memory_ops, read_sass, spills, tools_available)
 from gpu_timing import (  # noqa: E402
     GPUS, ISSUE_EFFICIENCY, LATENCY, Gpu, Launched, LoopTiming, kernel_seconds,
-    launched_variants, loop_timing, predict, predictions, resident_programs, step_elements,
-    tile_cycles)
+    launched_variants, loop_timing, predict, predictions, prefetch_variants, resident_programs,
+    step_elements, tile_cycles)
 
 SIZES = {"100m": "100m", "1b": "1b"}
 #: The H200 run of the kernels before #29 (docs/gpu.md): AdamW at 1B parameters,
@@ -257,10 +257,13 @@ def model_rows(archs: list[int], revision: str | None, host: dict[str, float] | 
     function = module.multi_tensor_step
     persistent = "tiles" in function.arg_names
     rows = []
+    specs = variants(default_only, rules, strategies)
     for arch in archs:
         gpu = GPUS[arch]
+        for spec in specs:  # every variant compiled, its SASS read in the background
+            prefetch_variants(function, spec["flags"], arch, spec["variant"], persistent)
         checks = _check_kernels(module, arch, persistent)
-        for spec in variants(default_only, rules, strategies):
+        for spec in specs:
             launched = launched_variants(function, spec["flags"], arch, spec["variant"],
                                          persistent)
             # the row's own SASS: the launch with both loops (read on the first), or

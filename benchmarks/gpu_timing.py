@@ -16,7 +16,7 @@ from collage.optim.triton import launch as launches
 
 # beside this file: gpu_model.py, which imports this module, puts their folder on the path
 from gpu_sass import (Sass, access_bytes, compile_variant, fast_path_indices, read_sass,
-                      registers_in, written_registers)
+                      read_sass_later, registers_in, written_registers)
 
 
 @dataclass(frozen=True)
@@ -258,27 +258,44 @@ def _launched(function, flags: dict, arch: int, name: str, persistent: bool) -> 
     return Launched(name, sass, loop_timing(sass), persistent, function)
 
 
-def launched_variants(function, flags: dict, arch: int, variant: str, persistent: bool
-                      ) -> dict[str, Launched]:
-    """The variants a launch compiles for the 1B and 100M steps (``gpt_shapes``): at 1B
-    every tensor is a multiple of ``BLOCK`` (no tails: ``TAILS=False``), at 100M 86 of
-    148 are not (both loops); the ``tail`` row: a bucket of partial blocks only. The
-    kernels before whole blocks and tails shared a launch (``--revision``): one tile a
-    program, whole blocks unmasked, the same at both sizes."""
+def launch_plan(flags: dict, variant: str, persistent: bool
+                ) -> dict[str, tuple[str, dict, bool]]:
+    """What a launch compiles for the 1B and 100M steps (``gpt_shapes``), by size: (name,
+    flags, persistent). At 1B every tensor is a multiple of ``BLOCK`` (no tails:
+    ``TAILS=False``), at 100M 86 of 148 are not (both loops); the ``tail`` row: a bucket of
+    partial blocks only. The kernels before whole blocks and tails shared a launch
+    (``--revision``): one tile a program, whole blocks unmasked, the same at both sizes."""
     if not persistent:
-        one = _launched(function, flags, arch, "one tile a program (MASKED=False)", False)
+        one = ("one tile a program (MASKED=False)", flags, False)
         return {"1b": one, "100m": one}
     if variant == "tail":
-        one = _launched(function, flags, arch, "TAILS only", True)
-        return {"1b": one, "100m": one}
-    tails = {size: any(torch.Size(s).numel() % launches.GPU_BLOCK for _, s in
-                       gpt_shapes(size)) for size in ("1b", "100m")}
-    out = {}
+        return {"1b": ("TAILS only", flags, True), "100m": ("TAILS only", flags, True)}
+    plan = {}
     for size in ("1b", "100m"):
-        named = "WHOLE+TAILS" if tails[size] else "WHOLE"
-        same = [v for v in out.values() if v.name == named]
-        out[size] = same[0] if same else _launched(function, {**flags, "TAILS": tails[size]},
-                                                   arch, named, True)
+        tails = any(torch.Size(s).numel() % launches.GPU_BLOCK for _, s in gpt_shapes(size))
+        plan[size] = ("WHOLE+TAILS" if tails else "WHOLE", {**flags, "TAILS": tails}, True)
+    return plan
+
+
+def prefetch_variants(function, flags: dict, arch: int, variant: str, persistent: bool
+                      ) -> None:
+    """Compile what :func:`launched_variants` will read and start reading its SASS in the
+    background (``gpu_sass.read_sass_later``)."""
+    for _, variant_flags, _ in launch_plan(flags, variant, persistent).values():
+        read_sass_later(compile_variant(function, variant_flags, arch))
+
+
+def launched_variants(function, flags: dict, arch: int, variant: str, persistent: bool
+                      ) -> dict[str, Launched]:
+    """The variants a launch compiles for the 1B and 100M steps (:func:`launch_plan`),
+    read and timed; one object where both sizes launch the same variant."""
+    out: dict[str, Launched] = {}
+    made: dict[str, Launched] = {}
+    for size, (name, variant_flags, persistent_) in launch_plan(flags, variant,
+                                                                persistent).items():
+        if name not in made:
+            made[name] = _launched(function, variant_flags, arch, name, persistent_)
+        out[size] = made[name]
     return out
 
 
