@@ -73,14 +73,16 @@ def kernels_at(revision: str | None) -> ModuleType:
 
 
 #: cubins compiled in this process, by (function, constants, arch): a variant the model
-#: reads twice (prefetched, then read) compiles once, whether or not Triton's cache is on
+#: reads twice (prefetched, then read) compiles once, whether or not Triton's cache is on.
+#: Keyed by the function itself (equal only to itself), not its id: a revision's kernels
+#: replaced by another's (``kernels_at``) could free theirs and hand its id to a new one
 _CUBINS: dict[tuple, bytes] = {}
 
 
 def compile_variant(function, constants: dict, arch: int) -> bytes:
     """The cubin of ``function`` with ``constants`` (those it declares) for ``sm_<arch>``,
     with the launcher's options (compiled once a process)."""
-    key = (id(function), tuple(sorted(constants.items())), arch)
+    key = (function, tuple(sorted(constants.items())), arch)
     if key not in _CUBINS:
         _CUBINS[key] = _compile_variant(function, constants, arch)
     return _CUBINS[key]
