@@ -31,6 +31,9 @@ from collage.mcf import (
     two_sum,
 )
 
+from collage.mcf import eft
+from collage.mcf.formats import format_info
+
 from . import exact as X
 from .exact import F64, one_torch_thread  # noqa: F401 (autouse fixture)
 
@@ -199,6 +202,30 @@ def check_exact_sum(
     assert bool(same.all()), f"{name}: s + e != a + b"
     # |e| <= ulp(s) / 2
     assert bool(((e64.abs() <= X.ulp(s_ref, a.dtype) / 2) | ~fin).all()), f"{name}: |e| > ulp(s)/2"
+
+
+# --------------------------------------------------------------------------------------------
+# the elementary operations
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+def test_each_elementary_operation_is_the_exact_result_rounded_once(dtype):
+    """``_add``, ``_sub`` and ``_mul``, of which every primitive is made, are the exact sum,
+    difference and product rounded once to the component dtype (bitwise: signed zeros,
+    overflow, inf and nan included). bfloat16 and float16 compute them in float32 and round
+    again; the inputs here are every ``a`` against ~200 ``b`` and the adversarial pairs, and
+    every pair was checked offline (formats.py's docstring)."""
+    assert format_info(dtype).working_dtype == (
+        torch.float32 if dtype in (torch.bfloat16, torch.float16) else F64)
+    for a, b in binary_inputs(dtype, seed=23):
+        minus_b = b.to(F64).neg().to(dtype)  # exact: a negated component is a component
+        for name, got, want in (
+                ("_add", eft._add(a, b), X.round_pair(*X.exact_sum(a, b), dtype)),
+                ("_sub", eft._sub(a, b), X.round_pair(*X.exact_sum(a, minus_b), dtype)),
+                ("_mul", eft._mul(a, b), X.round_exact(X.exact_product(a, b), dtype))):
+            assert got.dtype == dtype
+            X.assert_same(got, want, f"{name}: the exact result rounded once", a, b)
 
 
 # --------------------------------------------------------------------------------------------

@@ -119,13 +119,14 @@ def test_fp16_plus_with_scaling_within_2_percent_of_bf16_plus():
     trajectory does not decide)."""
     fp16 = sum(train(torch.float16, "plus", True, seed=s)["final"] for s in SEEDS)
     bf16 = sum(train(torch.bfloat16, "plus", False, seed=s)["final"] for s in SEEDS)
-    mixed16 = sum(train(torch.float16, "mixed", True, seed=s)["final"] for s in SEEDS)
-    assert fp16 <= 1.02 * bf16, (
-        f"fp16 plus + GradScaler ends at {fp16 / bf16:.2f}x the loss of bf16 plus "
-        f"(fp16 mixed, whose moments are fp32: {mixed16 / bf16:.2f}x). The optimizer sees "
-        "unscaled gradients; if its moments are fp16, (1 - beta2) g**2 < 2**-25 "
-        "(|g| < ~8e-3) rounds away and v sinks into fp16's subnormals, so the steps are too "
-        "large once the gradients get small. See test_fp16_plus_gap_is_the_state_range")
+    if fp16 > 1.02 * bf16:  # the acceptance, failed: fp16 mixed (fp32 moments) for contrast
+        mixed16 = sum(train(torch.float16, "mixed", True, seed=s)["final"] for s in SEEDS)
+        pytest.fail(
+            f"fp16 plus + GradScaler ends at {fp16 / bf16:.2f}x the loss of bf16 plus "
+            f"(fp16 mixed, whose moments are fp32: {mixed16 / bf16:.2f}x). The optimizer "
+            "sees unscaled gradients; if its moments are fp16, (1 - beta2) g**2 < 2**-25 "
+            "(|g| < ~8e-3) rounds away and v sinks into fp16's subnormals, so the steps are "
+            "too large once the gradients get small. See test_fp16_plus_gap_is_the_state_range")
 
 
 def test_fp16_plus_gap_is_the_state_range():

@@ -2,8 +2,9 @@
 
 Notation: ``fl(x)`` is x rounded to nearest-even *in the component dtype*; ``u = 2**-p`` is
 that dtype's unit roundoff; ``ulp(x)`` its spacing at x. Each elementary operation below
-(``_add``, ``_sub``, ``_mul``) is one correct rounding: it is computed in float64 and rounded
-once more with :func:`~collage.mcf.formats.round_to` (why that is correct: see formats.py).
+(``_add``, ``_sub``, ``_mul``) is one correct rounding: it is computed in the format's
+``working_dtype`` (float32 for bfloat16 and float16, float64 for the others) and rounded once
+more with :func:`~collage.mcf.formats.round_to` (why that is correct: see formats.py).
 
 Non-finite rule (one rule for every primitive): the leading component is exactly what the
 dtype's own IEEE arithmetic gives for the operation (+-inf or nan; nan for overflow in
@@ -71,15 +72,18 @@ def _info_of(*named: tuple[str, torch.Tensor]) -> FormatInfo:
 
 
 def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return round_to(a.double() + b.double(), a.dtype)
+    wide = format_info(a.dtype).working_dtype
+    return round_to(a.to(wide) + b.to(wide), a.dtype)
 
 
 def _sub(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return round_to(a.double() - b.double(), a.dtype)
+    wide = format_info(a.dtype).working_dtype
+    return round_to(a.to(wide) - b.to(wide), a.dtype)
 
 
 def _mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return round_to(a.double() * b.double(), a.dtype)
+    wide = format_info(a.dtype).working_dtype
+    return round_to(a.to(wide) * b.to(wide), a.dtype)
 
 
 def _zero_unless_finite(lead: torch.Tensor, trailing: torch.Tensor) -> torch.Tensor:
