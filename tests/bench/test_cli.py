@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -161,6 +163,30 @@ def test_speed_worker_interleaves_the_modes(monkeypatch):
                                "batch": 2, "steps": 3, "warmup": 1, "threads": None})
     assert order == ["a", "b", "c"] + ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert done == {"times": {m: [1.0, 1.0, 1.0] for m in "abc"}}
+
+
+@pytest.mark.parametrize(("device", "at_once"), [("cpu", 2), ("cuda", 1)])
+def test_memory_workers_run_two_at_a_time_on_the_cpu(monkeypatch, device, at_once):
+    """Each memory worker reads its own process's allocator, so on the CPU two run at
+    once; on a GPU, whose memory they would share, one at a time. The rows keep the modes'
+    order whichever finishes first."""
+    from collage.bench import train
+
+    lock, running, most = threading.Lock(), [0], [0]
+
+    def fake_process(function, spec):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.2 if spec["mode"] == "a" else 0.05)  # "a" finishes last
+        with lock:
+            running[0] -= 1
+        return {"mode": spec["mode"], "peak_bytes": 1, "persistent_bytes": 1}
+
+    monkeypatch.setattr(train, "_run_process", fake_process)
+    rows = train._memory_rows(["a", "b", "c"], {}, device, quiet=True)
+    assert [row["mode"] for row in rows] == ["a", "b", "c"]
+    assert most[0] == at_once
 
 
 def _late_params():

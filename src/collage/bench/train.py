@@ -1,7 +1,8 @@
 """``collage bench train``: tokens/s and peak memory of a GPT per strategy, beside
 ``torch.autocast(bfloat16)`` with float32 weights, in one run.
 
-Memory: every mode in its own fresh process (peak memory is per process): it first
+Memory: every mode in its own fresh process (peak memory is per process; on the CPU two of
+them at a time, since each counts only its own allocator and resident set): it first
 compiles the optimizer's kernels on a tiny model (so compilation is neither timed nor
 counted), records its resident set, builds the model, trains ``warmup`` steps (at least
 one) and then one more step under the allocator's count: peak memory is the most bytes held
@@ -45,6 +46,7 @@ import sys
 import textwrap
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -254,6 +256,32 @@ def _run_process(function: str, spec: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+#: Memory workers running at the same time on the CPU: each reads its own process's
+#: allocator and resident set, which another process does not change. On a GPU one at a
+#: time: they would share its memory.
+CPU_MEMORY_JOBS = 2
+
+
+def _timed_process(function: str, spec: dict) -> tuple[dict, float]:
+    started = time.perf_counter()
+    return _run_process(function, spec), time.perf_counter() - started
+
+
+def _memory_rows(modes, spec_base: dict, device, quiet: bool) -> list[dict]:
+    """Every mode's :func:`worker` row, in the order of ``modes``."""
+    jobs = CPU_MEMORY_JOBS if torch.device(device).type == "cpu" else 1
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        running = [pool.submit(_timed_process, "worker", dict(spec_base, mode=mode))
+                   for mode in modes]
+        rows = []
+        for mode, future in zip(modes, running):
+            row, seconds = future.result()
+            rows.append(row)
+            _log(quiet, f"{mode:10s} peak {row['peak_bytes'] / 2**20:7.1f} MiB  persistent "
+                        f"{row['persistent_bytes'] / 2**20:6.1f} MiB  ({seconds:.0f}s)")
+    return rows
+
+
 def _log(quiet: bool, text: str) -> None:
     if not quiet:
         print(f"[train] {text}", file=sys.stderr, flush=True)
@@ -262,7 +290,7 @@ def _log(quiet: bool, text: str) -> None:
 def run(*, modes=MODES, preset="paper-small", model=None, batch=None, steps=20, warmup=3,
         threads=None, quiet=True, rounds=3, device="cpu") -> dict:
     """Memory: every mode once, in its own fresh process (peak memory is per process and
-    the allocator's count does not vary). Speed: ``rounds`` fresh processes, each running
+    the allocator's count does not vary; two at a time on the CPU). Speed: ``rounds`` fresh processes, each running
     every mode's steps interleaved (:func:`speed_worker`); a mode's tokens/s is the median
     over all its timed steps, its ratio to autocast the median over the steps of the ratio
     to autocast's step of the same round and index (timed moments apart)."""
@@ -276,14 +304,7 @@ def run(*, modes=MODES, preset="paper-small", model=None, batch=None, steps=20, 
     batch = batch or preset_batch
     spec_base = {"preset": preset, "model": model, "batch": batch, "steps": steps,
                  "warmup": warmup, "threads": threads, "device": str(device)}
-    rows = []
-    for mode in modes:
-        started = time.perf_counter()
-        row = _run_process("worker", dict(spec_base, mode=mode))
-        rows.append(row)
-        _log(quiet, f"{mode:10s} peak {row['peak_bytes'] / 2**20:7.1f} MiB  persistent "
-                    f"{row['persistent_bytes'] / 2**20:6.1f} MiB  "
-                    f"({time.perf_counter() - started:.0f}s)")
+    rows = _memory_rows(modes, spec_base, device, quiet)
     times: dict[str, list[list[float]]] = {mode: [] for mode in modes}
     speed_rounds = []
     for r in range(rounds):
