@@ -6,6 +6,7 @@ small op pays a thread wake-up (measured: a 16-wide MLP step 100x slower). Resto
 
 from __future__ import annotations
 
+import importlib
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -92,3 +93,49 @@ def triton_interpreter(monkeypatch):
     """Triton's interpreter for CPU tensors (read at each launch): the Triton test files
     use it for every test (``pytest.mark.usefixtures``)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _patch_language_once_a_launch(monkeypatch)
+
+
+def _language_modules(fn) -> set[int]:
+    """The ``triton.language`` modules a function's globals hold: the interpreter's own
+    test of what it patches for that function (``_patch_lang``)."""
+    tl = importlib.import_module("triton.language")
+    return {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
+
+
+def _patch_language_once_a_launch(monkeypatch) -> None:
+    """Triton's interpreter patches ``triton.language`` for each launch (``_patch_lang``:
+    ``inspect.getmembers`` over every builtin, about 1 ms) and, in Triton 3.8, again at
+    every call of a ``@triton.jit`` helper inside the kernel, never restoring the repeat.
+    The launch's patch is in place then, so the repeat changes nothing; it was 40 % of
+    test_triton.py's time. Within a launch, a helper whose language modules the launch has
+    patched skips it. A Triton without these internals is left as it is (slower)."""
+    try:
+        interpreter = importlib.import_module("triton.runtime.interpreter")
+    except ImportError:
+        return
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if patch_lang is None or executor is None or scope_type is None:
+        return
+    launches: list[set[int]] = []  # the modules each running launch has patched
+    launch = executor.__call__
+
+    def once_a_launch(fn):
+        modules = _language_modules(fn)
+        if launches and modules <= launches[-1]:
+            return scope_type()  # nothing to do: restoring it restores nothing
+        if launches:
+            launches[-1] |= modules
+        return patch_lang(fn)
+
+    def launch_and_forget(self, *args, **kwargs):
+        launches.append(set())
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    monkeypatch.setattr(interpreter, "_patch_lang", once_a_launch)
+    monkeypatch.setattr(executor, "__call__", launch_and_forget)
