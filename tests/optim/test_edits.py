@@ -175,9 +175,8 @@ def test_the_compiled_path(inductor_only) -> None:
 @pytest.mark.triton
 @pytest.mark.skipif(launches.triton is None, reason="Triton is not installed")
 @pytest.mark.parametrize("strategy", [s for s in HIDDEN if get_strategy(s).native_code])
-def test_the_triton_path_and_plan(strategy: str, monkeypatch) -> None:
+def test_the_triton_path_and_plan(strategy: str, triton_interpreter) -> None:
     """Through Triton's interpreter: steps 2 to 4 run the Triton plan."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     model, opt = _reproducer(collage.AdamW, strategy, "triton", fused="triton")
     assert opt.last_paths == {0: "triton"}
     assert "triton_plan" in opt._books[id(opt.param_groups[0])].cache

@@ -73,11 +73,10 @@ def test_in_backward_equals_step_after_backward(rule, strategy, path):
 
 
 @pytest.mark.triton
-def test_in_backward_triton_interpreted(monkeypatch):
+def test_in_backward_triton_interpreted(triton_interpreter):
     """The Triton kernels (interpreted on CPU) step each parameter in backward as they
     step the whole group after it."""
     pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     rule = RULE_CASES[0]
     runs = []
     for in_backward in (False, True):
