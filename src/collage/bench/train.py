@@ -290,10 +290,11 @@ def _log(quiet: bool, text: str) -> None:
 def run(*, modes=MODES, preset="paper-small", model=None, batch=None, steps=20, warmup=3,
         threads=None, quiet=True, rounds=3, device="cpu") -> dict:
     """Memory: every mode once, in its own fresh process (peak memory is per process and
-    the allocator's count does not vary; two at a time on the CPU). Speed: ``rounds`` fresh processes, each running
-    every mode's steps interleaved (:func:`speed_worker`); a mode's tokens/s is the median
-    over all its timed steps, its ratio to autocast the median over the steps of the ratio
-    to autocast's step of the same round and index (timed moments apart)."""
+    the allocator's count does not vary; two at a time on the CPU). Speed: ``rounds`` fresh
+    processes, each running every mode's steps interleaved (:func:`speed_worker`); a mode's
+    tokens/s is the median over all its timed steps, its ratio to autocast the median over
+    the steps of the ratio to autocast's step of the same round and index (timed moments
+    apart)."""
     # before anything runs, so that the bench's own threads are not in it; the workers
     # run torch's default threads (every core) unless ``threads`` is given
     load = common.load_check(threads or torch.get_num_threads())
