@@ -57,6 +57,9 @@ def _assert_ieee_quotient(x: torch.Tensor, c: torch.Tensor) -> None:
 
 
 @needs_triton
+# the correction of an infinite dividend is inf - inf, computed by numpy in the interpreter
+# and then discarded by the select that passes inf and NaN through
+@pytest.mark.filterwarnings("ignore:invalid value encountered in add:RuntimeWarning")
 def test_the_division_by_a_row_constant_is_the_ieee_quotient():
     """The C kernels' divisors (``_division.py``: the worst-rounded reciprocals, the
     all-ones and 1 + ulp significands, bias corrections of real runs), moved into (0, 1]
