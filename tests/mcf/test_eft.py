@@ -23,6 +23,7 @@ from collage.mcf import (
     combine,
     debug_checks,
     checks_enabled,
+    eft,
     fast_two_sum,
     grow,
     mul,
@@ -30,8 +31,6 @@ from collage.mcf import (
     two_prod,
     two_sum,
 )
-
-from collage.mcf import eft
 from collage.mcf.formats import format_info
 
 from . import exact as X
