@@ -1,8 +1,9 @@
 """Component formats and correctly rounded conversion into them.
 
-Every MCF primitive computes each elementary operation in float64 and rounds the float64
-result *once more* to the component dtype with :func:`round_to`. Two facts make that a single
-correct rounding of the exact result:
+Every MCF primitive computes each elementary operation in a wider format (float64; float32
+for bfloat16 and float16, see below) and rounds that result *once more* to the component dtype
+with :func:`round_to`. For float64, two facts make that a single correct rounding of the
+exact result:
 
 * float64 carries q = 53 significant bits, and q >= 2p + 2 for every component format here
   (p = 24 for float32, 11 for float16, 8 for bfloat16, 4 for e4m3, 3 for e5m2). By
