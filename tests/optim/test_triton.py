@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import io
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import collage
-from collage.optim import compiled, dispatch, get_strategy
+from collage.optim import compiled, dispatch, get_strategy, nonfinite
 from collage.optim.triton import launch as launches
 from collage.optim.triton import path as triton_path
 from collage.optim.triton import plan as triton_plan
@@ -317,6 +318,42 @@ def test_a_planned_and_an_unplanned_group_share_one_device_verdict(bad_group, mo
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     with pytest.warns(RuntimeWarning, match="skipped 1 step"):
         assert opt.skipped_steps == 1
+
+
+def test_the_verdict_device_is_the_groups_one_device_or_none():
+    """``nonfinite.verdict_device``: the device of every group's first parameter where
+    they agree (groups without parameters aside), else None: a model split over two GPUs
+    in one process gets its verdict on the host (a kernel cannot read a flag in another
+    GPU's memory). Tensors on two devices exist here as CPU and meta ones."""
+    def group(*tensors: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(items=[SimpleNamespace(param=t) for t in tensors])
+
+    cpu, meta = torch.zeros(2), torch.zeros(2, device="meta")
+    assert nonfinite.verdict_device([group(cpu), group(), group(cpu, meta)]) == cpu.device
+    assert nonfinite.verdict_device([group(cpu), group(meta)]) is None
+    assert nonfinite.verdict_device([group()]) is None
+
+
+@needs_triton
+def test_groups_on_two_devices_get_the_verdict_on_the_host(monkeypatch, ieee_sqrt):
+    """Two groups whose parameters are on two devices, each as if its path read the
+    verdict on its device (``dispatch.verdict_on_device`` made to say so): no verdict is
+    left on the device, which one group's kernels could not read; the host's refuses the
+    step with a NaN in the first group, every weight as it was, one skip counted on the
+    host."""
+    g = torch.Generator().manual_seed(4)
+    here = [torch.nn.Parameter(torch.randn(40, generator=g).to(torch.bfloat16))]
+    there = [torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16, device="meta"))]
+    opt = collage.AdamW([{"params": here}, {"params": there}], strategy="plus",
+                        fused="triton")
+    monkeypatch.setattr(dispatch, "verdict_on_device", lambda group: True)
+    here[0].grad = torch.full_like(here[0], float("nan"))
+    there[0].grad = torch.zeros_like(there[0])
+    before = here[0].detach().clone()
+    with pytest.warns(RuntimeWarning, match="skipped step"):
+        opt.step()
+    assert opt._device_skips is None and opt.skipped_steps == 1
+    assert torch.equal(before.view(torch.int16), here[0].detach().view(torch.int16))
 
 
 @needs_triton

@@ -32,8 +32,9 @@ from .group import ITEM_GRAD, PLAIN_TENSORS, GroupStep, Item, local
 from .native import any_nonfinite
 
 __all__ = ["NONFINITE_POLICIES", "FiniteProof", "nonfinite_flag", "all_ranks_max",
-           "shard_group", "gradients_usable", "check_on_device", "count_device_verdict",
-           "settle_skips", "report_nonfinite", "finite_in_backward", "report_skipped"]
+           "shard_group", "gradients_usable", "verdict_device", "check_on_device",
+           "count_device_verdict", "settle_skips", "report_nonfinite", "finite_in_backward",
+           "report_skipped"]
 
 NONFINITE_POLICIES = ("skip", "raise", "ignore")
 
@@ -169,14 +170,14 @@ def gradients_usable(optimizer, batches: Batches, sharded, groups: list[GroupSte
     # finite: the check's read of every gradient is skipped.
     if proof is not None and sharded is None and proof.spares_check_of(grads):
         return True
-    on_device = optimizer.nonfinite == "skip" and all(dispatch.verdict_on_device(g)
-                                                       for g in groups)
+    device = verdict_device(groups) if optimizer.nonfinite == "skip" else None
+    on_device = device is not None and all(map(dispatch.verdict_on_device, groups))
     local_grads = (grads if set(map(type, grads)) <= PLAIN_TENSORS
                    else [local(grad) for grad in grads])
     if on_device and sharded is None:
         # the verdict is made once the groups are prepared (check_on_device): a
         # planned Triton group checks its gradients in kernels over its own tiles
-        bad = torch.empty((), dtype=torch.float32, device=local_grads[0].device)
+        bad = torch.empty((), dtype=torch.float32, device=device)
         for group in groups:
             group.found_nonfinite = bad
         optimizer._unchecked = (bad, batches)
@@ -195,6 +196,18 @@ def gradients_usable(optimizer, batches: Batches, sharded, groups: list[GroupSte
         return True
     report_nonfinite(optimizer, batches)
     return False
+
+
+def verdict_device(groups: list[GroupStep]) -> torch.device | None:
+    """The one device the groups' parameters are on (each group's first parameter's: the
+    device its kernels run on), where a verdict left on the device can be read by every
+    group's kernels; None where the groups span several devices (a model split over GPUs
+    in one process): a kernel on one GPU cannot read a flag in another's memory (without
+    peer access, an illegal address), so the verdict is made on the host. A group whose
+    own parameters span devices steps those off its first one's device with the eager
+    kernel, which reads the verdict on the host (``triton.path.step_triton``)."""
+    devices = {local(group.items[0].param).device for group in groups if group.items}
+    return devices.pop() if len(devices) == 1 else None
 
 
 def check_on_device(optimizer, prepared: list) -> None:
@@ -224,8 +237,9 @@ def check_on_device(optimizer, prepared: list) -> None:
 def report_nonfinite(optimizer, batches: Batches) -> None:
     """A non-finite gradient refuses the step: raise (``nonfinite="raise"``), or count
     the skipped step and warn, naming the parameters."""
+    # a meta gradient holds no values (the check passed over it too)
     names = [item.name for _, _, items in batches for item in items
-             if not bool(torch.isfinite(local(item.grad)).all())]
+             if not item.grad.is_meta and not bool(torch.isfinite(local(item.grad)).all())]
     where = ", ".join(repr(n) for n in names[:5]) or "(another rank)"
     if optimizer.nonfinite == "raise":
         raise FloatingPointError(
