@@ -179,3 +179,41 @@ def test_real_grad_scaler_with_fp16_plus() -> None:
             assert_bitwise_equal(start, snapshot(model, opt))  # and the step was skipped
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize("path", ["foreach", "default"])
+def test_a_checkpoint_after_a_refused_first_step_loads_as_one_never_stepped(path) -> None:
+    """A non-finite gradient at the first step (GradScaler's usual start with fp16) refuses
+    the step before any state is made: ``state_dict()`` saves no state for it, as
+    torch.optim's, and both it and a state dict with the empty ``{}`` entries saved before
+    that fix load, into a new optimizer and the same one; the next step is then bit for
+    bit a fresh optimizer's first."""
+    flags = {"foreach": True} if path == "foreach" else {}
+
+    def made() -> tuple[list[torch.nn.Parameter], collage.AdamW]:
+        g = torch.Generator().manual_seed(6)
+        params = [torch.nn.Parameter(torch.randn(n, generator=g).to(torch.bfloat16))
+                  for n in (8, 5)]
+        return params, collage.AdamW(params, lr=0.1, strategy="plus", **flags)
+
+    def good_step(params, opt) -> dict[str, torch.Tensor]:
+        for p in params:
+            p.grad = torch.full_like(p, 0.25)
+        opt.step()
+        return {f"w{i}": p.detach().clone() for i, p in enumerate(params)}
+
+    params, opt = made()
+    params[0].grad = torch.ones_like(params[0])
+    params[1].grad = torch.full_like(params[1], float("nan"))
+    with pytest.warns(RuntimeWarning, match="skipped step"):
+        opt.step()
+    saved = opt.state_dict()
+    assert saved["state"] == {}
+    older = {**saved, "state": {0: {}, 1: {}}}  # as saved before state_dict dropped them
+    want = good_step(*made())
+    for state_dict in (saved, older):
+        fresh_params, fresh = made()
+        fresh.load_state_dict(state_dict)
+        assert_bitwise_equal(good_step(fresh_params, fresh), want)
+    opt.load_state_dict(older)
+    assert_bitwise_equal(good_step(params, opt), want)

@@ -277,6 +277,11 @@ class CollageOptimizer(Optimizer):
         admission.convert_strategies(self)  # the saved states are those of the saved strategies
         stepping.rederive_pending(self)  # ... and describe the weights as edited (edits.py)
         sd = super().state_dict()
+        # a parameter whose step was refused before its state was made (a non-finite
+        # gradient at the first step) has an empty state: saved as none, as torch.optim's
+        # (whose state entries are made by the step that fills them)
+        sd["state"] = {key: value for key, value in sd["state"].items()
+                       if not (isinstance(value, dict) and not value)}
         sd["collage"] = {
             "skipped_steps": self.skipped_steps,
             "steps_taken": self._steps_taken,

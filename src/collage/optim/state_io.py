@@ -141,7 +141,14 @@ def _pairs(optimizer, state_dict: dict, merged: list[dict], saved_groups: list[d
         from_torch = "strategy" not in saved_group
         for name, saved_id, param in zip(names, group["params"],
                                          optimizer.param_groups[index]["params"]):
-            yield name, param, group, saved_state.get(saved_id), from_torch
+            yield name, param, group, _never_stepped(saved_state.get(saved_id)), from_torch
+
+
+def _never_stepped(saved):
+    """A saved state, or None for an empty one: a parameter never stepped, as if it had
+    none (a step refused before any state was made left ``{}`` in states saved before
+    ``state_dict`` dropped them; they load as they were saved, not as incomplete ones)."""
+    return None if isinstance(saved, dict) and not saved else saved
 
 
 def _strategy_to_load(optimizer, name: str, param, group: dict, saved: dict | None,
