@@ -95,8 +95,10 @@ def test_the_same_parameter_twice_is_refused():
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
-@pytest.mark.parametrize("strategy", ["plus", "stochastic", "mixed"])
+@pytest.mark.parametrize("strategy", ["plus", "stochastic", "mixed", "plus8"])
 def test_copies_continue_bit_for_bit(how, strategy):
+    """plus8's float8 moments too: torch pickles a float8 tensor but cannot unpickle it
+    (2.14), so they travel as uint8 views (``state_io._AsBytes``)."""
     model, opt = _trained(strategy)
     # copied together, so that the copy's optimizer steps the copy's parameters
     if how == "deepcopy":

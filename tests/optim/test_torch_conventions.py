@@ -217,6 +217,18 @@ def test_non_real_learning_rates_are_refused(value):
         collage.AdamW([_param()], lr=value)
 
 
+@pytest.mark.parametrize("seed", [-1, 2**64, 2**64 + 5])
+def test_a_seed_outside_64_bits_is_refused(seed):
+    """The draws are keyed by 64-bit words: a seed outside [0, 2**64) would be taken
+    modulo 2**64 (``2**64 + 5`` drawing what 5 draws), so it is refused, and a bool is no
+    seed; the largest seed is taken."""
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
+        collage.AdamW([_param()], seed=seed)
+    with pytest.raises(TypeError, match="seed must be an int, got bool"):
+        collage.AdamW([_param()], seed=True)
+    assert collage.AdamW([_param()], seed=2**64 - 1).seed == 2**64 - 1
+
+
 # ----------------------------------------------------------------------------------------
 # item 4: hyperparameters edited in place
 
@@ -237,6 +249,28 @@ def test_item4_a_list_betas_edited_in_place_is_validated(rule, which):
     opt.param_groups[0]["betas"][which] = 0.95  # set right: the step goes on
     opt.step()
     assert float(opt.state[p]["step"]) == 2
+
+
+@pytest.mark.parametrize("path", [{"foreach": True}, {}, {"reference": True}],
+                         ids=["foreach", "default", "reference"])
+def test_item4_a_0_d_array_edited_in_place_is_read_at_the_next_step(path):
+    """``lr = np.array(1e-2)``, then ``lr[...] = 0`` between steps (the same object, no
+    version to bump): the next step reads 0, as torch.optim's does (its weight unchanged),
+    and a negative value written so is refused before anything changes."""
+    p = _param(strategy="fp32")
+    lr = np.array(1e-2)
+    opt = collage.AdamW([p], lr=lr, weight_decay=0.1, strategy="fp32", **path)
+    _step(opt, [p], 0)
+    lr[...] = 0.0
+    before = p.detach().clone()
+    _step(opt, [p], 1)
+    assert torch.equal(bits(p.detach()), bits(before))
+    lr[...] = -1.0
+    kept = snapshot_of(opt, p)
+    p.grad = _grad_for(p, 2)
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        opt.step()
+    assert_bitwise_equal(kept, snapshot_of(opt, p))
 
 
 def snapshot_of(opt, p) -> dict[str, torch.Tensor]:

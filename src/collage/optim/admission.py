@@ -33,9 +33,9 @@ from .nonfinite import NONFINITE_POLICIES
 from .rules import plain_numbers
 from .strategies import check_weight, get_strategy
 
-__all__ = ["GroupBook", "check_arguments", "check_params_argument", "validate_settings",
-           "validate_group", "param_names", "check_groups", "check_membership",
-           "convert_strategies", "states_of"]
+__all__ = ["GroupBook", "SEEDS", "check_arguments", "check_seed", "check_params_argument",
+           "validate_settings", "validate_group", "param_names", "check_groups",
+           "check_membership", "convert_strategies", "states_of"]
 
 
 @dataclass(eq=False)
@@ -108,9 +108,22 @@ def check_arguments(nonfinite: str, track_updates: bool | int, seed: int) -> int
     if not isinstance(track_updates, int) or track_updates < 0:
         raise ValueError(f"track_updates must be a bool or an int k >= 0 (measure every "
                          f"k-th step), got {track_updates!r}")
-    if not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    check_seed(seed, "seed")
     return track_updates
+
+
+#: the draws' keys are mixed from 64-bit words (``draws.mix``): a seed is one of them
+SEEDS = range(2**64)
+
+
+def check_seed(seed, where: str) -> None:
+    """``seed`` is an int in [0, 2**64): a larger or negative one would be taken modulo
+    2**64 (``2**64 + 5`` drawing what 5 draws), a bool is no seed."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{where} must be an int, got {type(seed).__name__}")
+    if seed not in SEEDS:
+        raise ValueError(f"{where} must be in [0, 2**64) (it keys the 64-bit stochastic-"
+                         f"rounding draws), got {seed}")
 
 
 def check_params_argument(params) -> None:
@@ -442,7 +455,8 @@ def _immutable(value) -> bool:
 def _frozen(value) -> Any:
     """``value`` as an immutable snapshot: lists and tuples as tuples of snapshots (a list
     ``betas`` edited in place compares unequal), a dict as its sorted items, a tensor by
-    identity and version (a new value written in place bumps the version)."""
+    identity and version (a new value written in place bumps the version), an array (a
+    numpy array: ``lr[...] = 0`` keeps the object and has no version) by its bytes."""
     if type(value) in _IMMUTABLE:  # the usual case, first
         return value
     if isinstance(value, torch.Tensor):
@@ -451,6 +465,9 @@ def _frozen(value) -> Any:
         return (type(value).__name__, *(_frozen(item) for item in value))
     if isinstance(value, dict):
         return ("dict", *sorted((repr(k), _frozen(v)) for k, v in value.items()))
+    if callable(getattr(value, "tobytes", None)):
+        return ("array", id(value), str(getattr(value, "dtype", "")),
+                tuple(getattr(value, "shape", ())), value.tobytes())
     return value
 
 

@@ -323,6 +323,10 @@ class CollageOptimizer(Optimizer):
     # ----------------------------------------------------------------------- copies
 
     def __getstate__(self) -> dict[str, Any]:
+        # as state_dict: the copy's states describe the weights as edited (its write log
+        # starts afresh over its new parameters, so it would not see an edit made before)
+        admission.check_membership(self)
+        stepping.rederive_pending(self)
         return state_io.pickled(self, super().__getstate__())
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from . import backward, convert
-from .admission import param_names, validate_group
+from .admission import check_seed, param_names, validate_group
 from .edits import WriteLog
 from .nonfinite import settle_skips
 from .autopilot import AUTO, Autopilot, Decision, Pilot
@@ -246,10 +246,14 @@ def _restored(optimizer, param, group: dict, strategy: Strategy, saved: dict,
 def _checked_extra(extra) -> dict | None:
     if extra is None:
         return None
-    for key in ("skipped_steps", "steps_taken", "seed"):
+    for key in ("skipped_steps", "steps_taken"):
         value = extra.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"state_dict['collage'][{key!r}] must be an int, got {value!r}")
+    try:
+        check_seed(extra.get("seed", 0), "state_dict['collage']['seed']")
+    except TypeError as error:  # a state dict's wrong value: a ValueError, as the others
+        raise ValueError(str(error)) from None
     decisions = extra.get("autopilot", [])
     if not isinstance(decisions, list) or not all(
             isinstance(d, (list, tuple)) and len(d) == len(Decision._fields) for d in decisions):
@@ -283,10 +287,63 @@ COPIED = ("nonfinite", "track_updates", "seed", "skipped_steps", "update_stats",
           "_pilot")
 
 
+#: dtypes whose tensors torch pickles but cannot unpickle (torch 2.14's ``pickle.loads`` of
+#: a float8 tensor: "type object 'torch.storage.UntypedStorage' has no attribute 'dtype'";
+#: deepcopy and ``torch.save`` work): plus8's moments travel as uint8 views
+_UNPICKLABLE = frozenset(getattr(torch, name) for name in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name))
+
+
+class _AsBytes:
+    """A tensor of an :data:`_UNPICKLABLE` dtype as pickle and deepcopy carry it: a uint8
+    view of the same bytes, viewed back as its dtype when loaded (:func:`_viewed_as`)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __reduce__(self) -> tuple:
+        name = str(self.tensor.dtype).removeprefix("torch.")
+        return _viewed_as, (self.tensor.view(torch.uint8), name)
+
+
+def _viewed_as(raw: torch.Tensor, dtype: str) -> torch.Tensor:
+    """A pickled :class:`_AsBytes` loaded: its bytes as the dtype named ``dtype``."""
+    return raw.view(getattr(torch, dtype))
+
+
+def _unpicklable(value) -> bool:
+    return value.__class__ is torch.Tensor and value.dtype in _UNPICKLABLE
+
+
+def _picklable_states(state: dict) -> dict:
+    """``state`` (the optimizer's, by parameter) with every tensor of an unpicklable dtype
+    wrapped (:class:`_AsBytes`, one per tensor: identities kept); ``state`` itself where
+    there is none (every strategy but plus8)."""
+    if not any(isinstance(s, dict) and any(map(_unpicklable, s.values()))
+               for s in state.values()):
+        return state
+    wrappers: dict[int, _AsBytes] = {}
+
+    def carried(value):
+        if not _unpicklable(value):
+            return value
+        return wrappers.setdefault(id(value), _AsBytes(value))
+
+    out = copy.copy(state)  # a defaultdict stays one
+    for key, saved in state.items():
+        if isinstance(saved, dict):
+            out[key] = {name: carried(value) for name, value in saved.items()}
+    return out
+
+
 def pickled(optimizer, torch_part: dict[str, Any]) -> dict[str, Any]:
     """``__getstate__``: torch.optim's part (``torch_part``) and ours."""
     settle_skips(optimizer)
     out = dict(torch_part)
+    out["state"] = _picklable_states(torch_part["state"])
     out.update({name: optimizer.__dict__[name] for name in COPIED})
     # the books and positions with the group dicts and parameters themselves (copied
     # once with param_groups, pickle and deepcopy keep identities), not their ids;
