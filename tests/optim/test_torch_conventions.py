@@ -115,16 +115,24 @@ def test_item11_params_none_names_params(rule):
 
 
 @pytest.mark.parametrize("rule", RULES)
-def test_errors_on_the_params_argument_are_torchs(rule):
-    """A tensor for ``params``, no parameter at all, a parameter in two groups: torch.optim's
-    own checks and messages (collage runs them unchanged)."""
+def test_errors_on_the_params_argument_are_torchs_or_name_the_parameter(rule):
+    """A tensor for ``params``, no parameter at all: torch.optim's own checks and messages
+    (collage runs them unchanged). A parameter in two groups: torch.optim's check, whose
+    message names no parameter, refused with the parameter's names and groups (torch's
+    message chained as the cause)."""
     with pytest.raises(TypeError, match="iterable of Tensors or dicts"):
         _make(rule, _param())
     with pytest.raises(ValueError, match="empty parameter list"):
         _make(rule, [])
     shared = _param()
-    with pytest.raises(ValueError, match="more than one parameter group"):
-        _make(rule, [{"params": [shared]}, {"params": [shared, _param(seed=1)]}])
+    with pytest.raises(ValueError, match=r"parameter 'group0.param0' is in param group 0 and "
+                       r"also in param group 1 \(as 'group1.param1'\)") as refused:
+        _make(rule, [{"params": [shared]}, {"params": [_param(seed=1), shared]}])
+    assert "more than one parameter group" in str(refused.value.__cause__)
+    opt = _make(rule, [{"params": [shared], "param_names": ["head.weight"]}])
+    with pytest.raises(ValueError, match=r"'head.weight' is in param group 0 .*'again'"):
+        opt.add_param_group({"params": [("again", shared)]})
+    assert len(opt.param_groups) == 1
 
 
 @pytest.mark.parametrize("rule", RULES)

@@ -35,7 +35,7 @@ from .strategies import check_weight, get_strategy
 
 __all__ = ["GroupBook", "SEEDS", "check_arguments", "check_seed", "check_params_argument",
            "validate_settings", "validate_group", "param_names", "check_groups",
-           "check_membership", "convert_strategies", "states_of"]
+           "check_membership", "name_shared_parameter", "convert_strategies", "states_of"]
 
 
 @dataclass(eq=False)
@@ -300,6 +300,17 @@ def _complete_group(defaults: dict, group: dict, index: int) -> None:
         if value is required and key not in group:
             raise ValueError(f"param group {index} must specify {key!r}")
         group.setdefault(key, value)
+
+
+def name_shared_parameter(groups: list[dict], new_group: dict, refused: ValueError) -> None:
+    """Where torch.optim's ``add_param_group`` refused ``new_group`` (``refused``: "some
+    parameters appear in more than one parameter group", no name), the same refusal naming
+    the parameter and both groups; nothing where it refused something else."""
+    if isinstance(new_group.get("params"), list):  # torch made it one before refusing
+        try:
+            _refuse_shared_parameters([*groups, new_group])
+        except ValueError as named:
+            raise named from refused
 
 
 def _refuse_shared_parameters(groups: list[dict]) -> None:

@@ -123,7 +123,11 @@ class CollageOptimizer(Optimizer):
                 if (book := books.get(id(group))) is not None and book.path is not None}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
+        try:
+            super().add_param_group(param_group)
+        except ValueError as refused:  # torch names no parameter: ours where one is shared
+            admission.name_shared_parameter(self.param_groups, param_group, refused)
+            raise
         try:
             admission.check_membership(self)
         except Exception:
