@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from collage.train.config import get_preset
+from collage.train.presets import get_preset
 from collage.train.data import VOCAB_SIZE
 from collage.train.memory import bytes_per_param
 from collage.train.models import build_model

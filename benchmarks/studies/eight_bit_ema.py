@@ -38,7 +38,7 @@ import collage
 import collage.train.runner as runner
 from collage.optim import get_strategy
 from collage.optim.rules import ADAMW
-from collage.train.config import get_preset
+from collage.train.presets import get_preset
 
 STRATEGIES = ("plus8", "torchao-adamw8bit", "plus", "bf16", "mixed")
 

@@ -54,7 +54,7 @@ import torch
 import collage
 from collage.mcf import eft
 from collage.train.build import initial_weights, prepare_model
-from collage.train.config import quick
+from collage.train.presets import quick
 from collage.train.data import load_corpus, make_batches
 from collage.train.step import evaluate, token_loss
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from collage.train.config import get_preset
+from collage.train.presets import get_preset
 from collage.train.memory import bytes_per_param
 from collage.train.runner import train_strategy
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from collage.bench import candidates, common, measure
+from collage.bench import candidates, common, measure, optimizer, train
 from collage.cli import main
 from collage.optim import compiled
 
@@ -130,7 +130,6 @@ def test_bench_train_smoke(capsys):
 @needs_compiler
 def test_bench_train_checkpoint_activations_lowers_the_peak():
     """The flag reaches the worker processes' model: the same mode's peak is lower."""
-    from collage.bench import train
 
     peaks = {}
     for flag in (None, True):
@@ -145,7 +144,6 @@ def test_bench_train_checkpoint_activations_lowers_the_peak():
 
 def test_speed_worker_interleaves_the_modes(monkeypatch):
     """Step k of every mode, the order rotated by k: no mode is always first."""
-    from collage.bench import train
 
     order = []
 
@@ -170,7 +168,6 @@ def test_memory_workers_run_two_at_a_time_on_the_cpu(monkeypatch, device, at_onc
     """Each memory worker reads its own process's allocator, so on the CPU two run at
     once; on a GPU, whose memory they would share, one at a time. The rows keep the modes'
     order whichever finishes first."""
-    from collage.bench import train
 
     lock, running, most = threading.Lock(), [0], [0]
 
@@ -236,7 +233,6 @@ def test_bench_train_in_backward_mode_lowers_the_peak():
     backward, so its step's peak is below plain plus's. On a model whose weights dominate
     (d 128, one sequence of 8 tokens) the memory model says 10/12 = 0.83 (measured 0.80 by
     benchmarks/studies/memory_in_backward.py); below 0.9 leaves room for the activations."""
-    from collage.bench import train
 
     result = train.run(modes=("plus", "plus+backward"), preset="micro",
                        model={"d_model": 128, "n_layers": 2, "n_heads": 4, "context": 8},
@@ -250,3 +246,22 @@ def test_bench_train_rejects_an_unknown_in_backward_mode(capsys):
     assert main(["bench", "train", "--modes", "plus+backwards"]) == 2
     err = capsys.readouterr().err
     assert "unknown mode 'plus+backwards'" in err and "any strategy with +backward" in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["optimizer", "--device", "bogus"], "--device: unknown device 'bogus'"),
+    (["train", "--device", "bogus"], "--device: unknown device 'bogus'"),
+    (["optimizer", "--device", "meta"], "--device: the benches run on cpu or cuda"),
+    (["train", "--threads", "0"], "--threads must be at least 1"),
+    (["optimizer", "--markdown", "/no/such/folder/x.md"], "--markdown: cannot write"),
+    (["train", "--markdown", "/no/such/folder/x.md"], "--markdown: cannot write"),
+])
+def test_bench_flags_are_refused_before_anything_runs(argv, message, capsys, monkeypatch):
+    """A bad --device, --threads or --markdown: one line naming the flag, before the bench
+    runs (a --markdown that cannot be written used to fail after minutes of measuring,
+    the results lost)."""
+    monkeypatch.setattr(train, "run", lambda **kwargs: pytest.fail("the bench ran"))
+    monkeypatch.setattr(optimizer, "run", lambda **kwargs: pytest.fail("the bench ran"))
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err

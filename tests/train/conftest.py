@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from collage.train.config import Config, get_preset
+from collage.train.config import Config
+from collage.train.presets import get_preset
 
 
 def micro_config(**sections) -> Config:

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import collage
-from collage.cli import main
+from collage.cli import build_parser, main
 from collage.train.config import ModelConfig
 from collage.train.data import VOCAB_SIZE
+from collage.train.flags import config_from_args
 from collage.train.models import build_model
 
 
@@ -33,14 +34,43 @@ from collage.train.models import build_model
         (["train", "--nproc", "3", "--batch-size", "4"],
          "--nproc 3: --batch-size 4 must be divisible by it"),
         (["train", "--nproc", "0"], "--nproc: must be positive, got 0"),
+        (["train", "--seed", "-1"], "--seed: must be in [0, 2**64)"),
+        (["compare", "--seeds", "3", "--seed", str(2**64 - 2)],
+         "--seed: must be in [0, 2**64) (and --seeds 3's last"),
+        (["train", "--strategy", "auto", "--auto-every", "0"], "--auto-every: must be an "
+         "integer >= 1"),
+        (["train", "--strategy", "auto", "--auto-threshold", "-1"], "--auto-threshold: must "
+         "be a fraction in [0, 1)"),
+        (["compare", "--no-isolate", "--jobs", "2"], "--jobs: needs --isolate"),
+        (["compare", "--strategies", "fp32", "bf16", "--lrs", "1e-3", "4e-3",
+          "--lrs-strategies", "plus"], "--lrs: none of --lrs-strategies (plus) is compared"),
+        (["train", "--data", "EMPTY"], "the training text (0 tokens from file"),
     ],
 )
 def test_bad_input_is_one_line(argv, message, capsys, tmp_path):
+    empty = tmp_path / "empty.txt"  # EMPTY: an empty data file (encoded, then too short)
+    empty.write_bytes(b"")
+    argv = [str(empty) if a == "EMPTY" else a for a in argv]
     argv = argv + (["--out", str(tmp_path / "out")] if argv[0] != "memory" else [])
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err, err
     assert err.count("\n") == 1 and err.startswith(f"collage {argv[0]}: error: ")
+
+
+def test_beta2_on_the_command_line_overrides_the_presets_beta2_sweep():
+    """A preset's ``beta2s`` sweep gives way to ``--beta2`` given on the command line (a
+    flag overrides its preset's value); ``--beta2s`` given too overrides ``--beta2``."""
+    parser = build_parser()
+    config = config_from_args(parser.parse_args(
+        ["compare", "--preset", "paper-small", "--beta2", "0.9"]), "compare")
+    assert config.optim.beta2 == 0.9 and config.run.beta2s == ()
+    config = config_from_args(parser.parse_args(
+        ["compare", "--preset", "paper-small", "--beta2", "0.9", "--beta2s", "0.98"]),
+        "compare")
+    assert config.run.beta2s == (0.98,)
+    assert config_from_args(parser.parse_args(["compare", "--preset", "paper-small"]),
+                            "compare").run.beta2s == (0.95, 0.999)
 
 
 def test_bad_input_from_the_shell_has_no_traceback(tmp_path):
@@ -87,6 +117,24 @@ def test_train_command_stop_resume_and_export(tmp_path, capsys):
     model = build_model(ModelConfig(d_model=32, n_layers=1, n_heads=2, context=32), VOCAB_SIZE)
     model.load_state_dict(weights)
     assert all(v.dtype == torch.float32 for v in weights.values())
+
+
+def test_train_a_torchao_baseline_checkpoints_resumes_and_exports(tmp_path):
+    """``--strategy torchao-adamw8bit`` (an opt-in baseline): its 8-bit states are tensor
+    subclasses, digested through their inner tensors (they have no bytes of their own to
+    view), and its weights are the model's own, widened: before, its checkpoint and its
+    export raised after training, and nothing was written."""
+    pytest.importorskip("torchao")
+    out = str(tmp_path / "t")
+    base = ["train", "--preset", "micro", "--strategy", "torchao-adamw8bit", "--out", out,
+            "--quiet"]
+    assert main(base + ["--stop-after", "3"]) == 0
+    assert main(base + ["--resume"]) == 0
+    with open(os.path.join(out, "summary.json")) as handle:
+        assert json.load(handle)["completed"]
+    weights = torch.load(os.path.join(out, "model_fp32.pt"), weights_only=True)
+    assert weights and all(v.dtype == torch.float32 for v in weights.values()
+                           if v.is_floating_point())
 
 
 def _rank_run(argv: list[str]) -> None:

@@ -9,15 +9,8 @@ import pytest
 
 import collage
 from collage.errors import UsageError
-from collage.train.config import (
-    PRESETS,
-    Config,
-    DataConfig,
-    ModelConfig,
-    OptimConfig,
-    RunConfig,
-    get_preset,
-)
+from collage.train.config import Config, DataConfig, ModelConfig, OptimConfig, RunConfig
+from collage.train.presets import PRESETS, get_preset
 from collage.train.flags import add_config_flags, config_from_args
 
 

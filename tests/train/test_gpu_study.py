@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from collage.cli import main
-from collage.train.config import GPU_STUDY_STRATEGIES, get_preset
+from collage.train.presets import GPU_STUDY_STRATEGIES, get_preset
 from collage.train.data import vocab_size
 from collage.train.models import build_model
 from collage.train.sizing import (GPU_STUDY_BUDGET, count_params, flops_per_token,

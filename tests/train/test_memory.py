@@ -265,7 +265,7 @@ def test_collage_memory_counts_the_preset_model(capsys):
 
     assert main(["memory", "--preset", "micro", "--strategy", "plus", "--json"]) == 0
 
-    from collage.train.config import get_preset
+    from collage.train.presets import get_preset
     from collage.train.data import VOCAB_SIZE
     from collage.train.models import build_model
 

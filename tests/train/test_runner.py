@@ -172,6 +172,43 @@ def test_keyboard_interrupt_during_forward_redoes_the_step(tmp_path, monkeypatch
     assert resumed["history"]["train_loss"] == full["history"]["train_loss"]
 
 
+@pytest.mark.parametrize("second", [False, True], ids=["once", "twice"])
+def test_ctrl_c_during_the_update_checkpoints_the_step_once_recorded(tmp_path, monkeypatch,
+                                                                     second):
+    """A SIGINT delivered while the 3rd step updates (after ``optimizer.step()``, before
+    its record: nothing consistent to save) is held until the step is recorded, then
+    raised: the checkpoint is of step 3 and the resumed run is the uninterrupted one, bit
+    for bit. A second SIGINT in that window raises at once, and no checkpoint is written
+    (the run had none yet). The handler is Python's again afterwards."""
+    import signal
+
+    import collage.train.runner as runner
+
+    config = micro_config(run={"steps": 6, "track_every": 0})
+    full = train_strategy(config, "plus")
+    real = runner._record_step
+
+    def interrupted_record(s, step, *args, **kwargs):
+        if step == 2:  # the 3rd step, its weights already updated
+            for _ in range(2 if second else 1):
+                os.kill(os.getpid(), signal.SIGINT)
+        return real(s, step, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "_record_step", interrupted_record)
+    with pytest.raises(KeyboardInterrupt):
+        train_strategy(config, "plus", out_dir=str(tmp_path), checkpoint_every=0)
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if second:
+        assert not (tmp_path / CHECKPOINT_NAME).exists()
+        return
+    assert torch.load(tmp_path / CHECKPOINT_NAME, weights_only=True)["step"] == 3
+    resumed = train_strategy(config, "plus", out_dir=str(tmp_path), checkpoint_every=0,
+                             resume=True)
+    assert resumed["history"]["train_loss"] == full["history"]["train_loss"]
+    assert resumed["history"]["val_loss"] == full["history"]["val_loss"]
+
+
 @pytest.mark.slow
 def test_killed_process_resumes_exactly(tmp_path):
     """SIGKILL a real `collage train` mid-run, resume it, compare with an uninterrupted run."""

@@ -10,7 +10,8 @@ import pytest
 
 from collage.cli import main
 from collage.train import config as config_module
-from collage.train.config import STUDY_STRATEGIES, get_preset, strategies
+from collage.train.config import strategies
+from collage.train.presets import STUDY_STRATEGIES, get_preset
 from collage.train.runs import RESULT_NAME
 
 #: The study preset shrunk to seconds: a micro model on 200 kB of the standard library.

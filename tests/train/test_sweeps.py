@@ -15,6 +15,7 @@ import pytest
 from collage.cli import main
 from collage.errors import UsageError
 from collage.train import compare as compare_module
+from collage.train import config as config_module
 from collage.train import runs
 from collage.train.aggregate import pareto_front, records
 from collage.train.compare import compare
@@ -195,6 +196,33 @@ def test_resume_continues_and_skips_finished_runs(tmp_path, monkeypatch):
     assert trained == []
     with pytest.raises(UsageError, match="was made with other settings: --weight-decay"):
         compare(config.replace(optim={"weight_decay": 0.5}), str(out), log=None)
+    # another validation set: the reused runs' losses would not compare with new ones
+    with pytest.raises(UsageError, match="was made with other settings: --eval-batches"):
+        compare(config.replace(run={"eval_batches": config.run.eval_batches + 1}), str(out),
+                log=None)
+
+
+def test_a_resumed_comparison_keeps_each_runs_threads(tmp_path, monkeypatch):
+    """The torch threads of a run follow the comparison (3 runs on 2 cores: 1 each), not
+    the runs still to train: a resumed run alone keeps its 1 thread, so that it continues
+    bit for bit (with 2 it computed other sums)."""
+    monkeypatch.setattr(config_module, "_usable_cores", lambda: 2)
+    config = micro_config(run={"strategies": ("fp32", "bf16", "plus"), "resume": True})
+    seen = []
+
+    class Launched(Exception):
+        pass
+
+    def capture(config, runs, tasks, *args):
+        seen.append(sorted(task.threads for task in tasks.values()))
+        raise Launched
+
+    monkeypatch.setattr(compare_module, "_run_isolated", capture)
+    for finished in ([None, None, None], [{}, {}, None]):
+        monkeypatch.setattr(compare_module, "_finished", lambda *a, f=finished: list(f))
+        with pytest.raises(Launched):
+            compare(config, str(tmp_path), log=None)
+    assert seen == [[1, 1, 1], [1]]
 
 
 def test_report_only_trains_nothing(tmp_path, capsys):

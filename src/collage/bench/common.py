@@ -14,6 +14,7 @@ from importlib import metadata
 import torch
 
 from .. import __version__
+from ..errors import UsageError
 from ..optim.native.build import cpu_features
 from ..optim.rules import ADAMW, Rule
 from ..optim.strategies import Strategy, all_strategies
@@ -37,6 +38,8 @@ __all__ = [
     "load_1m",
     "hardware_slug",
     "summary",
+    "device_argument",
+    "check_writable",
 ]
 
 
@@ -321,3 +324,31 @@ def percentile(values: list[float], q: float) -> float:
 def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "p90": percentile(values, 0.9),
             "min": min(values), "n": len(values)}
+
+
+# ----------------------------------------------------------------------- the commands' flags
+
+def device_argument(text: str) -> torch.device:
+    """``--device`` as a device: a UsageError naming the flag for one torch does not know,
+    one the benches do not run on, or CUDA on a machine without it."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise UsageError(f"--device: unknown device {text!r}; use cpu or cuda") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device: the benches run on cpu or cuda, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    return device
+
+
+def check_writable(path: str | None, flag: str) -> None:
+    """Before a bench runs (minutes): ``path`` (``flag``'s, None: not given) can be written,
+    its folder existing and writable and itself no folder; else a UsageError naming the
+    flag, not an error after the results were measured."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag}: cannot write {path!r} (its folder must exist and be "
+                         "writable, and it must not be a folder)")

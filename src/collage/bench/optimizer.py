@@ -264,22 +264,22 @@ def cmd_optimizer(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UsageError("--threads must be at least 1")
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
+    device = common.device_argument(args.device)
+    common.check_writable(args.markdown, "--markdown")
     result = run(sizes=sizes, strategies=strategies, paths=paths, baselines=baselines,
                  nonfinite=nonfinite, repeats=args.repeats, warmup=args.warmup, device=device,
                  foreach_max=int(args.foreach_max), reference_max=int(args.reference_max),
                  slow_repeats=args.slow_repeats, compile_probe=args.compile_cost,
                  min_time=args.min_time, start_step=args.start_step,
                  quiet=args.quiet or args.json, argv=_command(args))
-    if args.markdown:
-        with open(args.markdown, "w") as handle:
-            handle.write(markdown(result))
+    # printed first: the results survive a markdown file that cannot be written after all
     if args.json:
         print(json.dumps(result, indent=1))
     else:
         print(table(result))
+    if args.markdown:
+        with open(args.markdown, "w") as handle:
+            handle.write(markdown(result))
     return 0
 
 

@@ -54,7 +54,7 @@ from ..errors import UsageError
 from ..optim import AdamW, get_strategy
 from ..optim.strategies import MAIN_STRATEGIES, NAMES
 from ..optim.strategies.strategy import dtype_name
-from ..train.config import PRESETS, get_preset
+from ..train.presets import PRESETS, get_preset
 from ..train.data import VOCAB_SIZE
 from ..train.losses import cross_entropy
 from ..train.memory import TensorMemoryProbe, persistent_bytes
@@ -454,8 +454,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.preset not in PRESETS:
         raise UsageError(f"--preset: unknown preset {args.preset!r}; valid: "
                          + ", ".join(PRESETS))
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
+    common.device_argument(args.device)
+    if args.threads is not None and args.threads < 1:
+        raise UsageError("--threads must be at least 1")
+    common.check_writable(args.markdown, "--markdown")
     model = {k: getattr(args, k) for k in MODEL_FLAGS}
     try:
         _model_config(args.preset, model)
@@ -465,8 +467,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                  steps=args.steps, warmup=args.warmup, threads=args.threads,
                  quiet=args.quiet or args.json, rounds=args.rounds, device=args.device)
     text = table(result)
+    # printed first: the results survive a markdown file that cannot be written after all
+    print(json.dumps(result, indent=1) if args.json else text)
     if args.markdown:
         with open(args.markdown, "w") as handle:
             handle.write(text)
-    print(json.dumps(result, indent=1) if args.json else text)
     return 0

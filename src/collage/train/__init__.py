@@ -6,7 +6,8 @@ checkpoints and ``--resume``; ``collage memory`` prints the bytes-per-parameter 
 ``docs/compare.md`` describes the presets, the outputs and the memory model.
 """
 
-from .config import PRESETS, Config, DataConfig, ModelConfig, OptimConfig, RunConfig, get_preset
+from .config import Config, DataConfig, ModelConfig, OptimConfig, RunConfig
+from .presets import PRESETS, get_preset
 from .data import VOCAB_SIZE, load_corpus
 from .memory import BytesPerParam, bytes_per_param, persistent_bytes
 from .models import build_model

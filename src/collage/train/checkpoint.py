@@ -34,9 +34,10 @@ CHECKPOINT_NAME = "checkpoint.pt"
 CHECKPOINT_FORMAT = 2
 # Run fields that may differ between an interrupted run and its resumption (for compare:
 # between the command that made a run and the one that reuses it).
+# Not ``eval_batches``: another validation set makes a reused run's losses incomparable.
 RESUMABLE_RUN_FIELDS = ("resume", "stop_after", "quiet", "out", "checkpoint_every", "threads",
-                        "eval_every", "eval_batches", "isolate", "strategies", "beta2s",
-                        "jobs", "nproc", "seeds", "lrs", "lrs_strategies", "report_only")
+                        "eval_every", "isolate", "strategies", "beta2s", "jobs", "nproc",
+                        "seeds", "lrs", "lrs_strategies", "report_only")
 
 
 def save_atomic(obj: Any, path: str) -> None:
@@ -62,7 +63,14 @@ def _digest_into(h: Any, obj: Any) -> None:
     """Feed ``obj`` to the hash ``h``: containers by their items in order, a tensor by its
     dtype, shape and bytes, anything else by its type and ``repr`` (exact for the ints,
     floats, strings and dtypes a checkpoint holds)."""
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor) and hasattr(obj, "__tensor_flatten__"):
+        # a wrapper subclass (torchao's 8-bit states: codes, scale, map) has no bytes of
+        # its own to view: its inner tensors and its context, by torch's flatten protocol
+        names, context = obj.__tensor_flatten__()
+        h.update(f"{type(obj).__qualname__} {tuple(obj.shape)} {context!r}|".encode())
+        for name in names:
+            _digest_into(h, getattr(obj, name))
+    elif isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         h.update(f"tensor {t.dtype} {tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")

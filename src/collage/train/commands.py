@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
-from ..optim import AUTO, Autopilot, consolidate
+from ..optim import AUTO, Autopilot, CollageOptimizer, consolidate
 from ..optim.rules import ADAMW
 from .build import resolve_device
 from .checkpoint import save_atomic
@@ -176,13 +176,23 @@ def _write_train_results(config: Config, out: str, result: dict[str, Any], log) 
     write_json(os.path.join(out, "history.json"), result["history"])
     write_json(os.path.join(out, "summary.json"), s)
     if s["completed"]:
-        weights = consolidate(result["model"], result["optimizer"])
-        save_atomic(weights, os.path.join(out, "model_fp32.pt"))
+        save_atomic(_full_precision(result["model"], result["optimizer"]),
+                    os.path.join(out, "model_fp32.pt"))
     if log:
         state = "finished" if s["completed"] else "stopped (resume with --resume)"
         log(f"{strategy}: {state} at step {s['steps']}/{config.run.steps}; "
             f"val loss {s['final_val_loss']:.4f} (ppl {s['final_val_ppl']:.2f}); "
             f"{s['tokens_per_s']:,.0f} tokens/s; output in {out}")
+
+
+def _full_precision(model: torch.nn.Module, optimizer) -> dict[str, torch.Tensor]:
+    """The model's weights as float32: what a collage optimizer's strategy represents
+    (``consolidate``); a baseline's (torchao's 8-bit AdamW keeps nothing beside the
+    weights) its model's own, widened (exact)."""
+    if isinstance(optimizer, CollageOptimizer):
+        return consolidate(model, optimizer)
+    return {key: value.detach().float() if value.is_floating_point() else value.clone()
+            for key, value in model.state_dict().items()}
 
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}

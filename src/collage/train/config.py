@@ -1,9 +1,8 @@
-"""Experiment configuration: nested keyword-only dataclasses and presets.
+"""Experiment configuration: nested keyword-only dataclasses.
 
 Every field is a command-line flag (``collage.train.flags``) whose help text is the field's
-``help`` metadata; a preset
-(a plain function returning a :class:`Config`) sets the starting values and explicit flags
-override it. Validation happens in ``__post_init__`` and raises
+``help`` metadata; a preset (``collage.train.presets``: a plain function returning a
+:class:`Config`) sets the starting values and explicit flags override it. Validation happens in ``__post_init__`` and raises
 :class:`collage.errors.UsageError` with one line naming the flag and the fix.
 """
 
@@ -19,7 +18,7 @@ from typing import Any
 from ..errors import UsageError
 from ..optim import AUTO, STRATEGIES
 from ..optim.backward import GRAD_ACCUMULATIONS
-from ..optim.strategies import DEFAULT_STRATEGY, MAIN_STRATEGIES, NAMES
+from ..optim.strategies import DEFAULT_STRATEGY, MAIN_STRATEGIES
 from . import gemm
 from .gemm import MODES as GEMM_MODES
 
@@ -29,8 +28,6 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "RunConfig",
-    "PRESETS",
-    "get_preset",
     "SECTIONS",
     "flag_name",
     "strategies",
@@ -237,6 +234,12 @@ class OptimConfig:
                 _fail("optim", name, f"must not be negative, got {getattr(self, name)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             _fail("optim", "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        # the autopilot's own bounds (collage.Autopilot), said as the flags
+        if not 0.0 <= self.auto_threshold < 1.0:
+            _fail("optim", "auto_threshold", f"must be a fraction in [0, 1), got "
+                  f"{self.auto_threshold}")
+        if not isinstance(self.auto_every, int) or self.auto_every < 1:
+            _fail("optim", "auto_every", f"must be an integer >= 1, got {self.auto_every!r}")
 
     def _check_backward(self) -> None:
         """--grad-accum, --grad-accumulation and --step-in-backward, and what the step in
@@ -321,6 +324,16 @@ class RunConfig:
         _positive("run", self, "steps", "eval_every", "eval_batches", "threads", "stop_after",
                   "jobs", "nproc", "seeds")
         self._check_sweeps()
+        # the optimizer's seed is a 64-bit word (collage.AdamW's seed=): every seed of
+        # --seeds too
+        if not 0 <= self.seed <= 2**64 - self.seeds:
+            last = f" (and --seeds {self.seeds}'s last, --seed + {self.seeds - 1})" \
+                if self.seeds > 1 else ""
+            _fail("run", "seed", f"must be in [0, 2**64){last}: the optimizer's seed is a "
+                  f"64-bit word, got {self.seed}")
+        if self.jobs is not None and not self.isolate:
+            _fail("run", "jobs", "needs --isolate (with --no-isolate the runs train one after "
+                  "the other in this process)")
         for name in ("track_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 _fail("run", name, f"must not be negative, got {getattr(self, name)}")
@@ -366,6 +379,15 @@ class RunConfig:
         if self.device != "cpu":
             return 1
         return max(1, min(_usable_cores(), n_runs))
+
+    def threads_per_run(self, n_runs: int) -> int | None:
+        """Torch threads of each run of a comparison of ``n_runs`` runs: from the whole
+        comparison, never from the runs still to train, since a run's numbers depend on
+        its thread count and a resumed comparison continues each run bit for bit (3 runs
+        on 2 cores: 1 thread each, the last one alone too)."""
+        if not self.isolate:
+            return self.threads
+        return self.resolved_threads(self.resolved_jobs(n_runs))
 
     def resolved_threads(self, jobs: int) -> int | None:
         """Torch threads per compare process: ``threads``, else usable cores / jobs."""
@@ -441,108 +463,3 @@ class Config:
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig,
 }
-
-
-# --------------------------------------------------------------------------------------------
-# Presets
-# --------------------------------------------------------------------------------------------
-
-
-def quick() -> Config:
-    """Tiny GPT, byte level, 400 steps at beta2 = 0.999: small enough to train every
-    strategy on a laptop's CPU (its wall time: ``docs/reports/quick/report.md``); the
-    dataclass defaults are exactly this preset."""
-    return Config(preset="quick")
-
-
-def micro() -> Config:
-    """A few steps of a very small GPT: for tests and smoke runs."""
-    return Config(
-        model=ModelConfig(d_model=32, n_layers=1, n_heads=2, context=32),
-        data=DataConfig(batch_size=4, max_bytes=100_000),
-        optim=OptimConfig(warmup_steps=2),
-        run=RunConfig(steps=6, eval_every=3, eval_batches=2, track_every=2),
-        preset="micro",
-    )
-
-
-def paper_small() -> Config:
-    """GPT-2 style with the paper's GPT recipe scaled down: AdamW betas (0.9, 0.95) and
-    (0.9, 0.999), weight decay 0.1, warm-up then cosine decay to lr/10, clip 1.0."""
-    return Config(
-        model=ModelConfig(family="gpt", d_model=128, n_layers=4, n_heads=4, context=128),
-        data=DataConfig(batch_size=16),
-        optim=OptimConfig(lr=1e-3, beta1=0.9, beta2=0.95, weight_decay=0.1,
-                          schedule="cosine", warmup_steps=80, min_lr_ratio=0.1, grad_clip=1.0),
-        run=RunConfig(steps=800, eval_every=100, eval_batches=16, track_every=20,
-                      beta2s=(0.95, 0.999)),
-        preset="paper-small",
-    )
-
-
-def bert_small() -> Config:
-    """BERT-style masked LM at beta2 = 0.999 (the setting where pure bf16 suffers)."""
-    return Config(
-        model=ModelConfig(family="bert", d_model=128, n_layers=4, n_heads=4, context=128),
-        data=DataConfig(batch_size=16, mlm_probability=0.15),
-        optim=OptimConfig(lr=1e-3, beta2=0.999, weight_decay=0.01, warmup_steps=60,
-                          min_lr_ratio=0.1),
-        run=RunConfig(steps=600, eval_every=100, eval_batches=16, track_every=20),
-        preset="bert-small",
-    )
-
-
-#: The strategies of the study (docs/study.md), in its order; those this build of collage
-#: does not register (``collage.STRATEGIES``) are left out of the preset.
-STUDY_STRATEGIES = (NAMES.fp32, NAMES.mixed, NAMES.bf16, NAMES.stochastic, NAMES.kahan,
-                    NAMES.light, NAMES.plus, NAMES.split, NAMES.feedback, NAMES.plus8)
-
-
-def study() -> Config:
-    """The study of docs/study.md: a LLaMA-style model on the standard library's source
-    (BPE), every study strategy at beta2 0.95 and 0.999 from 3 seeds, ``stochastic`` also at
-    half and twice the learning rate; resumable (``--resume`` on, a checkpoint every 100
-    steps). Sized for about 3.5 hours on 2 CPU cores (the arithmetic: docs/study.md)."""
-    return Config(
-        model=ModelConfig(family="llama", d_model=192, n_layers=4, n_heads=4, context=256),
-        data=DataConfig(path=STDLIB, tokenizer="bpe", vocab_size=4096, batch_size=8),
-        optim=OptimConfig(lr=2e-3, beta2=0.95, weight_decay=0.1, warmup_steps=60,
-                          min_lr_ratio=0.1, grad_clip=1.0),
-        run=RunConfig(steps=600, eval_every=150, eval_batches=16, track_every=50, seeds=3,
-                      beta2s=(0.95, 0.999), lrs=(1e-3, 2e-3, 4e-3),
-                      lrs_strategies=(NAMES.stochastic,), resume=True, checkpoint_every=100,
-                      strategies=tuple(s for s in STUDY_STRATEGIES if s in strategies())),
-        preset="study",
-    )
-
-
-#: What ``gpu-study`` compares: pure bf16 against fp32 master weights and Collage's two.
-GPU_STUDY_STRATEGIES = (NAMES.bf16, NAMES.mixed, NAMES.light, NAMES.plus)
-
-
-def gpu_study() -> Config:
-    """The paper's setting at the paper's scale, on one GPU in under 6 minutes
-    (``benchmarks/gpu_study.sh``): a 112M-parameter GPT-2-style model (GPT-2 small's width
-    and heads, 14 layers) on the standard library's source (BPE, 8,192 tokens), beta2 = 0.999,
-    ``bf16``, ``mixed``, ``light`` and ``plus`` from one seed, one after another on the GPU.
-    Its size and length come from ``collage.train.sizing.GPU_STUDY_BUDGET``'s arithmetic;
-    ``collage compare --preset gpu-study --dry-run`` prints it."""
-    return Config(
-        model=ModelConfig(family="gpt", d_model=768, n_layers=14, n_heads=12, context=512),
-        data=DataConfig(path=STDLIB, tokenizer="bpe", vocab_size=8192, batch_size=16),
-        optim=OptimConfig(lr=6e-4, beta2=0.999, weight_decay=0.1, warmup_steps=100,
-                          min_lr_ratio=0.1, grad_clip=1.0),
-        run=RunConfig(steps=1000, eval_every=250, eval_batches=8, track_every=50,
-                      device="cuda", strategies=GPU_STUDY_STRATEGIES, resume=True),
-        preset="gpu-study",
-    )
-
-
-PRESETS = {"quick": quick, "paper-small": paper_small, "bert-small": bert_small,
-           "micro": micro, "study": study, "gpu-study": gpu_study}
-
-
-def get_preset(name: str) -> Config:
-    if name not in PRESETS:
-        raise UsageError(f"--preset: unknown preset {name!r}; valid: " + ", ".join(PRESETS))
-    return PRESETS[name]()

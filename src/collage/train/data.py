@@ -80,6 +80,8 @@ def vocab_size(cfg: DataConfig) -> int:
 def encode(text: str | bytes) -> torch.Tensor:
     """UTF-8 bytes as a uint8 tensor of token ids."""
     data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    if not data:  # (torch.frombuffer refuses an empty buffer)
+        return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
 
 

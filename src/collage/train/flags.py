@@ -12,7 +12,8 @@ import typing
 from typing import Any
 
 from ..errors import UsageError
-from .config import PRESETS, SECTIONS, Config, flag_name, get_preset
+from .config import SECTIONS, Config, flag_name
+from .presets import PRESETS, get_preset
 
 __all__ = ["add_config_flags", "config_from_args"]
 
@@ -119,4 +120,22 @@ def config_from_args(args: argparse.Namespace, command: str) -> Config:
             else:
                 value = _convert(raw, tp, flag)
             changes.setdefault(section, {})[f.name] = value
-    return config.replace(**changes)
+    given_run = changes.get("run", {})
+    if "beta2" in changes.get("optim", {}) and "beta2s" not in given_run:
+        # --beta2 on the command line overrides the preset's beta2 sweep, as any flag
+        # overrides its preset's value (--beta2s, given too, overrides --beta2)
+        changes.setdefault("run", {})["beta2s"] = ()
+    config = config.replace(**changes)
+    _check_learning_rate_sweep(config, given_run)
+    return config
+
+
+def _check_learning_rate_sweep(config: Config, given_run: dict[str, Any]) -> None:
+    """--lrs given on the command line must reach a run: refused where none of
+    --lrs-strategies is compared (a preset's own sweep may name strategies left out)."""
+    run = config.run
+    if ("lrs" in given_run and run.lrs_strategies
+            and not set(run.lrs_strategies) & set(run.strategy_list())):
+        raise UsageError(f"--lrs: none of --lrs-strategies ({', '.join(run.lrs_strategies)}) "
+                         f"is compared ({', '.join(run.strategy_list())}), so no run would use "
+                         "it; name a compared strategy in --lrs-strategies, or leave it out")

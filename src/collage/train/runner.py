@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ from .data import Batches, Corpus, load_corpus, make_batches
 from .distributed import Ranks, setup
 from .gemm import BF16, Bf16Gemm, choose, set_mode
 from .history import family_means, mean, new_history, record_stats, tail_mean
+from .interrupts import HeldInterrupt
 from .memory import TensorMemoryProbe, current_rss_bytes, peak_rss_bytes, persistent_bytes
 from .models import is_causal
 from .report_auto import auto_summary, promoted
@@ -249,11 +250,13 @@ class _Cursor:
     """Where the loop stands, for an interruption: ``done`` steps, and the phase of the
     next one: ``between`` steps, in ``forward``/backward (nothing persistent changed yet:
     it is redone from ``rng_at_start``), or in the ``update`` (weights and optimizer
-    half-updated until the step is recorded: no checkpoint)."""
+    half-updated until the step is recorded: Ctrl-C is ``held`` there and raised once the
+    step is recorded, ``interrupts.py``)."""
 
     done: int
     phase: str = "between"
     rng_at_start: dict[str, Any] | None = None
+    held: HeldInterrupt = field(default_factory=HeldInterrupt)
 
 
 def _sync(device: torch.device) -> None:
@@ -272,10 +275,12 @@ def _train_step(s: Session, step: int, probe: _StepProbe, cursor: _Cursor) -> No
     t0 = time.perf_counter()
     if s.config.optim.step_in_backward:  # backward writes the weights: no checkpoint
         cursor.phase = "update"
+        cursor.held.hold()
     loss = _backward(s, x, y)
     grad_norm = _clip(s)
     lr = float(s.opt.param_groups[0]["lr"])  # torchao keeps lr as a 0-d tensor
     cursor.phase = "update"
+    cursor.held.hold()
     stats_before = getattr(s.opt, "update_stats", None)
     with probe.section(step):
         s.opt.step()
@@ -356,6 +361,7 @@ def _run_steps(s: Session, end: int, probe: _StepProbe,
             cursor.phase, cursor.rng_at_start = "forward", rng_state()
             _train_step(s, step, probe, cursor)
             cursor.done, cursor.phase = step + 1, "between"
+            cursor.held.release()  # a Ctrl-C held over the update: raised now
             _show_progress(s, progress)
             if s.checkpoint_every and cursor.done % s.checkpoint_every == 0 \
                     and cursor.done < end:
@@ -367,6 +373,7 @@ def _run_steps(s: Session, end: int, probe: _StepProbe,
             _save(s, cursor.done, cursor.rng_at_start)
         raise
     finally:
+        cursor.held.restore()
         probe.abort()
         if s.bar is not None:
             s.bar.close()
