@@ -345,3 +345,31 @@ def test_partial_results_pair_only_shared_seeds():
     fp32 = next(r for r in got if r["strategy"] == "fp32")
     assert fp32["paired_vs_mixed"] is None  # no seed in common
     assert bf16["best_lr"] and bf16["final_val_loss_ci95"] is not None
+
+
+def test_an_interrupted_comparison_lets_its_children_save_before_stopping_them():
+    """On Ctrl-C (which reaches the children too) the parent waits, up to the grace
+    period, for each child to save its last completed step and exit; only the children
+    still running then are terminated (before, every child was terminated at once, and
+    one finishing its step or writing its checkpoint left none)."""
+    class Child:
+        def __init__(self, exits_after_s: float | None) -> None:
+            self.exits_after_s, self.waited, self.terminated = exits_after_s, 0.0, False
+
+        def join(self, timeout: float | None = None) -> None:
+            if self.exits_after_s and (timeout is None or timeout >= self.exits_after_s):
+                self.waited = self.exits_after_s
+                self.exits_after_s = 0.0
+
+        def is_alive(self) -> bool:
+            return self.exits_after_s != 0.0 and not self.terminated
+
+        def terminate(self) -> None:
+            self.terminated = True
+
+    saving, stuck = Child(exits_after_s=0.2), Child(exits_after_s=None)
+    compare_module._stop_children({0: saving, 1: stuck}, grace_s=0.5)
+    assert not saving.terminated and saving.waited == 0.2 and stuck.terminated
+    late = Child(exits_after_s=0.2)  # no grace (the loop's normal end): stopped at once
+    compare_module._stop_children({0: late}, grace_s=0.0)
+    assert late.terminated

@@ -477,7 +477,7 @@ def _frozen(value) -> Any:
     if isinstance(value, dict):
         return ("dict", *sorted((repr(k), _frozen(v)) for k, v in value.items()))
     if callable(getattr(value, "tobytes", None)):
-        return ("array", id(value), str(getattr(value, "dtype", "")),
+        return ("array", type(value).__name__, str(getattr(value, "dtype", "")),
                 tuple(getattr(value, "shape", ())), value.tobytes())
     return value
 

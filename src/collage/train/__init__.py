@@ -7,10 +7,10 @@ checkpoints and ``--resume``; ``collage memory`` prints the bytes-per-parameter 
 """
 
 from .config import Config, DataConfig, ModelConfig, OptimConfig, RunConfig
-from .presets import PRESETS, get_preset
 from .data import VOCAB_SIZE, load_corpus
 from .memory import BytesPerParam, bytes_per_param, persistent_bytes
 from .models import build_model
+from .presets import PRESETS, get_preset
 
 __all__ = [
     "PRESETS",

@@ -234,11 +234,29 @@ def _run_isolated(config, runs, tasks, inits, out_dir, n_jobs, results, bar, say
                     raise payload
                 results[i] = payload
                 _log_result(say, payload["summary"], config.run.quiet)
+        except KeyboardInterrupt:
+            _stop_children(running, INTERRUPT_GRACE_S)
+            raise
         finally:
-            for proc in running.values():
-                if proc.is_alive():
-                    proc.terminate()
-                proc.join()
+            _stop_children(running, 0.0)
+
+
+#: seconds the children of an interrupted comparison get to save their last completed step
+#: (Ctrl-C reaches them too: one process group) before they are stopped
+INTERRUPT_GRACE_S = 10.0
+
+
+def _stop_children(running: dict[int, Any], grace_s: float) -> None:
+    """Wait up to ``grace_s`` seconds in all for the running children to end on their own
+    (an interrupted child saves its last completed step, then exits), then terminate those
+    still alive. Terminated at once, a child saving or finishing a step left no checkpoint."""
+    deadline = time.monotonic() + grace_s
+    for proc in running.values():
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in running.values():
+        if proc.is_alive():
+            proc.terminate()
+        proc.join()
 
 
 def _next_message(queue, running: dict[int, Any], runs: list[Run]):

@@ -2,8 +2,9 @@
 
 Every field is a command-line flag (``collage.train.flags``) whose help text is the field's
 ``help`` metadata; a preset (``collage.train.presets``: a plain function returning a
-:class:`Config`) sets the starting values and explicit flags override it. Validation happens in ``__post_init__`` and raises
-:class:`collage.errors.UsageError` with one line naming the flag and the fix.
+:class:`Config`) sets the starting values and explicit flags override it. Validation
+happens in ``__post_init__`` and raises :class:`collage.errors.UsageError` with one line
+naming the flag and the fix.
 """
 
 from __future__ import annotations
