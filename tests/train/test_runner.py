@@ -298,3 +298,9 @@ def test_a_checkpoint_from_before_digests_still_resumes(tmp_path):
     with pytest.raises(UsageError, match="not a collage train checkpoint"):
         save_atomic({"format": 7}, path)
         load_checkpoint(path, config, "plus")
+    # another program's file: named ours or not, never torch's advice to load it unsafely
+    with open(path, "w") as handle:
+        handle.write("not a checkpoint")
+    with pytest.raises(UsageError, match="is not a collage train checkpoint: torch.load") as e:
+        load_checkpoint(path, config, "plus")
+    assert "weights_only=False" not in str(e.value)

@@ -166,9 +166,14 @@ def _read(path: str) -> dict[str, Any]:
     file that does not load, is not ours, or whose content changed since it was written."""
     try:
         stored = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
+    except OSError as error:
         raise UsageError(f"--resume: cannot read checkpoint {path!r}: "
-                         f"{str(error).splitlines()[0] if str(error) else error!r}") from None
+                         f"{error.strerror or error}") from None
+    except Exception:  # (torch's text would advise weights_only=False: never for ours)
+        raise UsageError(f"--resume: {path!r} is not a collage train checkpoint: torch.load "
+                         "cannot read it with weights_only=True, as it reads every checkpoint "
+                         "collage writes (a damaged file, or another program's); delete it "
+                         "to start afresh") from None
     if not isinstance(stored, dict) or stored.get("format") not in (1, CHECKPOINT_FORMAT):
         raise UsageError(f"--resume: {path!r} is not a collage train checkpoint")
     if stored["format"] == 1:  # written before checkpoints carried a digest
