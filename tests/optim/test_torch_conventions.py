@@ -225,16 +225,17 @@ def test_non_real_learning_rates_are_refused(value):
         collage.AdamW([_param()], lr=value)
 
 
-@pytest.mark.parametrize("seed", [-1, 2**64, 2**64 + 5])
-def test_a_seed_outside_64_bits_is_refused(seed):
-    """The draws are keyed by 64-bit words: a seed outside [0, 2**64) would be taken
-    modulo 2**64 (``2**64 + 5`` drawing what 5 draws), so it is refused, and a bool is no
-    seed; the largest seed is taken."""
-    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
+@pytest.mark.parametrize("seed", [-2**63 - 1, 2**64, 2**64 + 5])
+def test_a_seed_outside_torchs_range_is_refused(seed):
+    """The draws are keyed by 64-bit words: a seed outside torch.manual_seed's range,
+    [-2**63, 2**64), would alias one inside (``2**64 + 5`` drawing what 5 draws), so it is
+    refused, and a bool is no seed; the range's ends are taken."""
+    with pytest.raises(ValueError, match=r"seed must be in \[-2\*\*63, 2\*\*64\)"):
         collage.AdamW([_param()], seed=seed)
     with pytest.raises(TypeError, match="seed must be an int, got bool"):
         collage.AdamW([_param()], seed=True)
-    assert collage.AdamW([_param()], seed=2**64 - 1).seed == 2**64 - 1
+    for end in (-2**63, 2**64 - 1):
+        assert collage.AdamW([_param()], seed=end).seed == end
 
 
 # ----------------------------------------------------------------------------------------

@@ -112,18 +112,19 @@ def check_arguments(nonfinite: str, track_updates: bool | int, seed: int) -> int
     return track_updates
 
 
-#: the draws' keys are mixed from 64-bit words (``draws.mix``): a seed is one of them
-SEEDS = range(2**64)
+#: the seeds taken: torch.manual_seed's range. The draws' keys are mixed from 64-bit words
+#: (``draws.mix``: a negative seed is taken modulo 2**64, as torch maps one into its range);
+#: beyond it a seed would alias one inside (``2**64 + 5`` drawing what 5 draws)
+SEEDS = range(-2**63, 2**64)
 
 
 def check_seed(seed, where: str) -> None:
-    """``seed`` is an int in [0, 2**64): a larger or negative one would be taken modulo
-    2**64 (``2**64 + 5`` drawing what 5 draws), a bool is no seed."""
+    """``seed`` is an int in :data:`SEEDS` (a bool is no seed)."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"{where} must be an int, got {type(seed).__name__}")
     if seed not in SEEDS:
-        raise ValueError(f"{where} must be in [0, 2**64) (it keys the 64-bit stochastic-"
-                         f"rounding draws), got {seed}")
+        raise ValueError(f"{where} must be in [-2**63, 2**64), as torch.manual_seed's (it "
+                         f"keys the 64-bit stochastic-rounding draws), got {seed}")
 
 
 def check_params_argument(params) -> None:
