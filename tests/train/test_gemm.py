@@ -15,9 +15,10 @@ from torch import nn
 
 from collage.errors import UsageError
 from collage.mcf import round_to
-from collage.train import gemm, models
+from collage.train import gemm, models, runner
 from collage.train.compare import compare
 from collage.train.config import Config
+from collage.train.distributed import Ranks
 from collage.train.flags import add_config_flags, config_from_args
 from collage.train.gemm import Bf16Gemm, attention, choose, linear
 from collage.train.runner import train_strategy
@@ -269,6 +270,27 @@ def test_auto_follows_the_probe(monkeypatch, ratio, mode):
     monkeypatch.setattr(gemm, "probe", lambda: pytest.fail("probed a forced mode"))
     assert choose("bf16") == Bf16Gemm("bf16", "bf16")
     assert choose("fp32").mode == "fp32" and choose("auto", "cuda").mode == "bf16"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_ranks_of_a_distributed_run_take_rank_0s_decision(monkeypatch, rank):
+    """``--nproc 2`` with ``--bf16-gemm auto``: rank 0 probes and every rank takes its
+    decision (a probe per rank could decide differently on a busy machine); the other
+    ranks never probe."""
+    decided = Bf16Gemm("fp32", "auto", _probe(50.0)())
+    sent = []
+
+    def broadcast(objects, src):
+        sent.append((list(objects), src))
+        objects[0] = decided  # what rank 0's list holds after its own broadcast
+
+    monkeypatch.setattr(runner.dist, "broadcast_object_list", broadcast)
+    monkeypatch.setattr(gemm, "probe", _probe(50.0) if rank == 0
+                        else lambda: pytest.fail("rank 1 probed"))
+    got = runner._bf16_gemm(micro_config(), "plus", torch.device("cpu"), None,
+                            Ranks(rank=rank, world_size=2))
+    assert got == decided
+    assert sent == [([decided if rank == 0 else None], 0)]
 
 
 def test_the_probe_times_both_and_leaves_the_threads():

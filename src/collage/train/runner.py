@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -123,16 +124,24 @@ class Session:
 
 
 def _bf16_gemm(config: Config, strategy: str, device: torch.device,
-               given: Bf16Gemm | None) -> Bf16Gemm | None:
+               given: Bf16Gemm | None, ranks: Ranks) -> Bf16Gemm | None:
     """How the run's bf16 matrix products are computed (``--bf16-gemm``): ``given`` (a
-    comparison decides once for all its runs), else chosen here; None for float32 weights,
-    whose products are float32 GEMMs anyway. transformers' modules (``--hf``) keep torch's
-    kernels."""
+    comparison decides once for all its runs), else chosen here, by rank 0 for every rank
+    of a distributed run (a timed probe per rank could decide differently on a busy
+    machine, and the ranks would then compute different products); None for float32
+    weights, whose products are float32 GEMMs anyway. transformers' modules (``--hf``)
+    keep torch's kernels."""
     if weight_dtype(strategy) != torch.bfloat16:
         return None
     if config.model.hf:
         return Bf16Gemm(BF16, config.run.bf16_gemm)
-    return given or choose(config.run.bf16_gemm, device)
+    if given is not None:
+        return given
+    if not ranks.distributed:
+        return choose(config.run.bf16_gemm, device)
+    decided = [choose(config.run.bf16_gemm, device) if ranks.main else None]
+    dist.broadcast_object_list(decided, src=0)
+    return decided[0]
 
 
 def _start(config: Config, strategy: str, *, beta2: float,
@@ -155,7 +164,7 @@ def _start(config: Config, strategy: str, *, beta2: float,
     init = initial_weights(config) if init is None else init
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    gemm = _bf16_gemm(config, strategy, device, gemm)
+    gemm = _bf16_gemm(config, strategy, device, gemm, ranks)
     model = prepare_model(config, strategy, init, device,
                           bf16_gemm=gemm.mode if gemm else BF16)
     model.train()
