@@ -56,6 +56,8 @@ def test_bad_input_is_one_line(argv, message, capsys, tmp_path):
     err = capsys.readouterr().err
     assert message in err, err
     assert err.count("\n") == 1 and err.startswith(f"collage {argv[0]}: error: ")
+    if argv[0] == "train":  # refused before anything was written: no --out left behind
+        assert not (tmp_path / "out").exists()
 
 
 def test_beta2_on_the_command_line_overrides_the_presets_beta2_sweep():

@@ -142,10 +142,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = config_from_args(args, "train")
     strategy = config.optim.strategy
     out = _out_dir(config, "train", f"-{strategy}")
+    created = not os.path.exists(out)
     _check_out(out)
-    if config.run.nproc > 1 and not under_launcher():
-        _check_nproc(config)
-        return launch(config.run.nproc, args.argv)
+    try:
+        if config.run.nproc > 1 and not under_launcher():
+            _check_nproc(config)
+            return launch(config.run.nproc, args.argv)
+        _train_into(config, strategy, out)
+    except UsageError:  # refused before anything was written: no empty --out left behind
+        if created and os.path.isdir(out) and not os.listdir(out):
+            os.rmdir(out)
+        raise
+    return 0
+
+
+def _train_into(config: Config, strategy: str, out: str) -> None:
+    """Train (one process, or this rank of a launched job) and write the results to
+    ``out`` (rank 0)."""
     log = None if config.run.quiet else _print
     try:
         result = train_strategy(
@@ -157,7 +170,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             _write_train_results(config, out, result, log)
     finally:
         teardown()
-    return 0
 
 
 def _check_nproc(config: Config) -> None:
