@@ -136,6 +136,18 @@ def _record(strategy, beta2, lr, loss, bytes_per_param=8):
             "bytes_per_param_model": bytes_per_param}
 
 
+def test_a_run_reused_in_a_comparison_extended_with_seeds_takes_the_plans_label():
+    """Seed 0 finished as a one-seed comparison (labelled "bf16"), then ``--seeds 2``:
+    its per-seed entry is labelled as the plan names it now, "bf16 seed=0"."""
+    summary = {**_record("bf16", 0.9, 1e-3, 2.0), "family": {}, "completed": True,
+               "final_train_loss": 2.1, "final_val_ppl": 7.4, "best_val_loss": 2.0}
+    done = [(Run("bf16", 0.9, 1e-3, seed, "bf16", f"bf16 seed={seed}"),
+             {"summary": dict(summary, label=label)})
+            for seed, label in ((0, "bf16"), (1, "bf16 seed=1"))]
+    (record,) = records(done, 2)
+    assert [p["label"] for p in record["per_seed"]] == ["bf16 seed=0", "bf16 seed=1"]
+
+
 def test_pareto_front_keeps_the_undominated():
     rs = [_record("a", 0.9, 1, 2.0, 8), _record("b", 0.9, 1, 1.9, 10),
           _record("c", 0.9, 1, 1.95, 12), _record("d", 0.9, 1, 1.8, 16),

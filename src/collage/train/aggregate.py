@@ -55,8 +55,11 @@ def _finite_mean(values: Iterable[Any]) -> float:
 
 
 def _run_record(run: Run, summary: dict[str, Any]) -> dict[str, Any]:
+    """A run's summary with the plan's seed, learning rate and label: a finished run
+    reused in a comparison extended since (``--seeds``) keeps the label it was trained
+    under ("bf16"), not its label in this plan ("bf16 seed=0")."""
     record = dict(summary)
-    record["seed"], record["lr"] = run.seed, run.lr
+    record["seed"], record["lr"], record["label"] = run.seed, run.lr, run.label
     return record
 
 
