@@ -396,3 +396,73 @@ def test_conversions_and_round_trips_continue_bit_for_bit(plan):
         train_step(model, opt, step)
         step += 1
         assert_bitwise_equal(snapshot(straight_model, straight), snapshot(model, opt))
+
+
+class _TiedWithBuffers(torch.nn.Module):
+    """An embedding tied to its head (GPT-2's wte and lm_head: one parameter, two
+    state_dict keys), a BatchNorm (float and integer buffers) and a float64 buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(6, 4)
+        self.head = torch.nn.Linear(4, 6, bias=False)
+        self.head.weight = self.emb.weight
+        self.bn = torch.nn.BatchNorm1d(4)
+        self.register_buffer("exact", torch.tensor([1 + 2.0**-40], dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bn(self.emb(x)))
+
+
+def _tied_and_trained() -> tuple[_TiedWithBuffers, collage.AdamW]:
+    torch.manual_seed(0)
+    model = _TiedWithBuffers().to(BF16)
+    model.exact = model.exact.double()  # (.to(BF16) converted it)
+    model.exact.fill_(1 + 2.0**-40)
+    opt = collage.AdamW(model.parameters(), lr=1e-2, strategy="plus")
+    for _ in range(2):
+        model(torch.tensor([0, 3, 5, 1])).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_consolidate_and_load_full_precision_with_tied_weights_and_buffers():
+    """The export of a model with a tied weight loads back (each of its names holds its
+    value), strict; buffers keep their exact values (float64 stays float64) and the export
+    is a copy, not an alias of the model's tensors."""
+    model, opt = _tied_and_trained()
+    full = collage.consolidate(model, opt)
+    assert torch.equal(full["emb.weight"], full["head.weight"])
+    assert full["exact"].dtype == torch.float64 and full["exact"].item() == 1 + 2.0**-40
+    assert full["bn.running_mean"].data_ptr() != model.bn.running_mean.data_ptr()
+    collage.load_full_precision(model, opt, full)
+    again = collage.consolidate(model, opt)
+    assert all(torch.equal(full[k], again[k]) for k in full)
+
+
+@pytest.mark.parametrize(("change", "error", "message"), [
+    (lambda sd: sd.__setitem__("head.weight", sd["head.weight"] + 1), ValueError,
+     "one tied parameter"),
+    (lambda sd: sd.__setitem__("bn.running_mean", torch.zeros(1)), ValueError,
+     "has shape"),
+    (lambda sd: sd.pop("bn.running_var"), KeyError, "no value for buffer"),
+    (lambda sd: sd.__setitem__("bn.num_batches_tracked", torch.tensor(2.7)), TypeError,
+     "would truncate"),
+    (lambda sd: sd.__setitem__("emb.weight", sd["emb.weight"].double() * 1e300),
+     ValueError, "beyond torch.bfloat16's range"),
+])
+def test_load_full_precision_checks_tied_names_buffers_and_range_first(change, error,
+                                                                       message):
+    """Refused before anything is set: a tied weight's names disagreeing, a buffer of
+    another shape, a missing buffer (strict), a float into an integer buffer, a finite
+    value beyond the weight's format (it would be stored as inf)."""
+    model, opt = _tied_and_trained()
+    full = collage.consolidate(model, opt)
+    full["head.weight"] = full["emb.weight"].clone()
+    change(full)
+    before = {**snapshot(model, opt), **{k: v.clone() for k, v in model.named_buffers()}}
+    with pytest.raises(error, match=message):
+        collage.load_full_precision(model, opt, full)
+    after = {**snapshot(model, opt), **dict(model.named_buffers())}
+    assert_bitwise_equal(before, after)

@@ -36,8 +36,10 @@ def consolidate(model: torch.nn.Module, optimizer: CollageOptimizer) -> dict[str
 
     Each parameter is the value its strategy represents (hi + lo, the master, weight plus
     compensation, the decoded split master) rounded once to float32; other floating tensors
-    are widened to float32 (exact). Keys are ``model.state_dict()``'s, so the result loads
-    into a float32 copy of the model. Sharded (FSDP2) parameters are gathered on every rank.
+    narrower than float32 are widened to float32, and float32 and float64 ones kept (all
+    exact). Every tensor is a copy, never an alias of the model's. Keys are
+    ``model.state_dict()``'s, so the result loads into a float32 copy of the model. Sharded
+    (FSDP2) parameters are gathered on every rank.
     """
     groups = _groups_by_param(optimizer)
     optimizer._rederive_pending()  # weights edited since the last step: as written
@@ -48,7 +50,8 @@ def consolidate(model: torch.nn.Module, optimizer: CollageOptimizer) -> dict[str
             value = tensor.detach()
             if hasattr(value, "full_tensor"):
                 value = value.full_tensor()
-            out[key] = value.float() if value.is_floating_point() else value.clone()
+            out[key] = (value.to(torch.float32, copy=True) if _narrower_than_float32(value)
+                        else value.clone())
             continue
         strategy = get_strategy(optimizer._pilot.strategy_at(
             group["strategy"], optimizer._positions[id(tensor)]))
@@ -97,29 +100,84 @@ def load_full_precision(model: torch.nn.Module, optimizer: CollageOptimizer,
             buffer.copy_(state_dict[name])
 
 
+def _narrower_than_float32(value: torch.Tensor) -> bool:
+    return value.is_floating_point() and value.dtype.itemsize < 4
+
+
 def _check_full_state(model, named: dict, state_dict: dict, strict: bool) -> None:
+    """Every value checked before anything is set (see :func:`load_full_precision`)."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict of tensors (collage.consolidate's "
+                        f"output), got {type(state_dict).__name__}")
     missing = [name for name in named if name not in state_dict]
     if missing:
         raise KeyError(f"state_dict has no value for parameter(s) {missing[:5]}; pass the "
                        "output of collage.consolidate or a float32 model.state_dict()")
+    # the model's own state_dict keys: a tied weight under each of its names (GPT-2's
+    # lm_head.weight beside transformer.wte.weight), persistent buffers
+    keys = model.state_dict(keep_vars=True)
+    buffers = dict(model.named_buffers())
     if strict:
-        known = set(named) | {name for name, _ in model.named_buffers()}
-        extra = sorted(set(state_dict) - known)
+        extra = sorted(set(state_dict) - set(keys) - set(named) - set(buffers))
         if extra:
             raise KeyError(f"state_dict has key(s) {extra[:5]} that are not parameters or "
                            "buffers of the model; pass strict=False to ignore them")
+        absent = [name for name in keys if name in buffers and name not in state_dict]
+        if absent:
+            raise KeyError(f"state_dict has no value for buffer(s) {absent[:5]}; pass "
+                           "strict=False to keep the model's")
     for name, param in named.items():
-        value = state_dict[name]
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-            kind = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
-            raise TypeError(f"state_dict[{name!r}] is {kind}; a parameter needs a "
-                            "floating-point tensor")
-        if tuple(value.shape) != tuple(param.shape):
-            raise ValueError(f"state_dict[{name!r}] has shape {tuple(value.shape)} but the "
-                             f"parameter has {tuple(param.shape)}")
-        if not bool(torch.isfinite(value).all()):
-            raise ValueError(f"state_dict[{name!r}] holds inf or nan; a full-precision state "
-                             "must be finite")
+        _check_parameter_value(name, state_dict[name], param)
+    _check_aliases(named, keys, state_dict)
+    for name, buffer in buffers.items():
+        if name in state_dict:
+            _check_buffer_value(name, state_dict[name], buffer)
+
+
+def _check_parameter_value(name: str, value, param: torch.Tensor) -> None:
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        kind = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+        raise TypeError(f"state_dict[{name!r}] is {kind}; a parameter needs a "
+                        "floating-point tensor")
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(f"state_dict[{name!r}] has shape {tuple(value.shape)} but the "
+                         f"parameter has {tuple(param.shape)}")
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(f"state_dict[{name!r}] holds inf or nan; a full-precision state "
+                         "must be finite")
+    # finite in float64 but beyond the parameter's format: its weight would be inf
+    if not bool(torch.isfinite(value.to(param.dtype)).all()):
+        raise ValueError(f"state_dict[{name!r}] holds a value beyond {param.dtype}'s range "
+                         f"(largest {torch.finfo(param.dtype).max:.4g}): the weight would be "
+                         "inf")
+
+
+def _check_aliases(named: dict, keys: dict, state_dict: dict) -> None:
+    """A tied weight's other names (in ``model.state_dict()``, not in ``named``) must hold
+    its value: it is set once, from its first name."""
+    first = {id(param): name for name, param in named.items()}
+    for key, tensor in keys.items():
+        primary = first.get(id(tensor))
+        if primary is None or primary == key or key not in state_dict:
+            continue
+        if not torch.equal(state_dict[key].to(torch.float64),
+                           state_dict[primary].to(torch.float64)):
+            raise ValueError(f"state_dict[{key!r}] and state_dict[{primary!r}] are one tied "
+                             "parameter but hold different values")
+
+
+def _check_buffer_value(name: str, value, buffer: torch.Tensor) -> None:
+    """A buffer's value: a tensor of its shape, floating where it is (an integer buffer,
+    such as BatchNorm's count, takes no float that would be truncated)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"state_dict[{name!r}] is {type(value).__name__}; a buffer needs a "
+                        "tensor")
+    if tuple(value.shape) != tuple(buffer.shape):
+        raise ValueError(f"state_dict[{name!r}] has shape {tuple(value.shape)} but the "
+                         f"buffer has {tuple(buffer.shape)}")
+    if value.is_floating_point() and not buffer.is_floating_point():
+        raise TypeError(f"state_dict[{name!r}] is {value.dtype}; the buffer is "
+                        f"{buffer.dtype} and would truncate it")
 
 
 def _local_slice(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
