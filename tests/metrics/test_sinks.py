@@ -82,6 +82,20 @@ def test_csv_is_complete_after_each_write(tmp_path: Path) -> None:
     sink.close()
 
 
+def test_a_closed_csv_writer_refuses_every_row(tmp_path: Path) -> None:
+    """After ``close()`` a row is refused, one with a new column too (widening the header
+    reopened the file and wrote it before), and the file is as it was closed."""
+    path = tmp_path / "m.csv"
+    sink = CSVWriter(path)
+    sink(0, {"a": 1.0})
+    sink.close()
+    closed = path.read_text()
+    for metrics in ({"a": 2.0}, {"a": 2.0, "new": 3.0}):
+        with pytest.raises(ValueError, match="is closed"):
+            sink(1, metrics)
+    assert path.read_text() == closed
+
+
 def test_csv_append_keeps_existing_header(tmp_path: Path) -> None:
     path = tmp_path / "m.csv"
     with CSVWriter(path) as sink:

@@ -111,6 +111,9 @@ class CSVWriter(_Sink):
         return list(self._columns)
 
     def __call__(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self._file.closed:  # (a new column would reopen the file: refused as any row)
+            raise ValueError(f"CSVWriter({str(self.path)!r}) is closed: open a new one, "
+                             "with append=True to continue the file")
         _check_metrics(metrics)
         new = [name for name in metrics if name not in self._columns]
         if new:
