@@ -10,7 +10,7 @@ from .base import CollageOptimizer
 from .group import local as _local
 from .strategies import get_strategy
 
-__all__ = ["consolidate", "load_full_precision"]
+__all__ = ["consolidate", "load_full_precision", "full_precision_copy"]
 
 
 def _groups_by_param(optimizer: CollageOptimizer) -> dict[int, dict]:
@@ -47,11 +47,7 @@ def consolidate(model: torch.nn.Module, optimizer: CollageOptimizer) -> dict[str
     for key, tensor in model.state_dict(keep_vars=True).items():
         group = groups.get(id(tensor))
         if group is None:
-            value = tensor.detach()
-            if hasattr(value, "full_tensor"):
-                value = value.full_tensor()
-            out[key] = (value.to(torch.float32, copy=True) if _narrower_than_float32(value)
-                        else value.clone())
+            out[key] = full_precision_copy(tensor)
             continue
         strategy = get_strategy(optimizer._pilot.strategy_at(
             group["strategy"], optimizer._positions[id(tensor)]))
@@ -100,8 +96,16 @@ def load_full_precision(model: torch.nn.Module, optimizer: CollageOptimizer,
             buffer.copy_(state_dict[name])
 
 
-def _narrower_than_float32(value: torch.Tensor) -> bool:
-    return value.is_floating_point() and value.dtype.itemsize < 4
+def full_precision_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor no optimizer component describes, as :func:`consolidate` exports it: a copy
+    (never an alias), whole (a sharded one gathered), widened to float32 where its format is
+    narrower (exact), float32 and float64 ones and integers kept."""
+    value = tensor.detach()
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    if value.is_floating_point() and value.dtype.itemsize < 4:
+        return value.to(torch.float32, copy=True)
+    return value.clone()
 
 
 def _check_full_state(model, named: dict, state_dict: dict, strict: bool) -> None:

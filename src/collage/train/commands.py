@@ -14,6 +14,7 @@ import torch
 
 from ..errors import UsageError
 from ..optim import AUTO, Autopilot, CollageOptimizer, consolidate
+from ..optim.export import full_precision_copy
 from ..optim.rules import ADAMW
 from .build import resolve_device
 from .checkpoint import save_atomic
@@ -198,13 +199,13 @@ def _write_train_results(config: Config, out: str, result: dict[str, Any], log) 
 
 
 def _full_precision(model: torch.nn.Module, optimizer) -> dict[str, torch.Tensor]:
-    """The model's weights as float32: what a collage optimizer's strategy represents
-    (``consolidate``); a baseline's (torchao's 8-bit AdamW keeps nothing beside the
-    weights) its model's own, widened (exact)."""
+    """The model's weights at full precision: what a collage optimizer's strategy
+    represents (``consolidate``); a baseline's (torchao's 8-bit AdamW keeps nothing beside
+    the weights) its model's own, exported as ``consolidate`` exports a tensor no strategy
+    describes."""
     if isinstance(optimizer, CollageOptimizer):
         return consolidate(model, optimizer)
-    return {key: value.detach().float() if value.is_floating_point() else value.clone()
-            for key, value in model.state_dict().items()}
+    return {key: full_precision_copy(value) for key, value in model.state_dict().items()}
 
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
