@@ -316,6 +316,8 @@ def test_input_validation() -> None:
         stats.add("", [1.0], w, w)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="keys must be strings"):
         stats.add(["", 0], d, w, w)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="keys must be a str or an iterable of str, got NoneType"):
+        stats.add(None, d, w, w)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="visible_before has 2 elements"):
         stats.add("", d, w, w, visible_before=torch.zeros(2), visible_after=w)
     assert len(stats) == 0

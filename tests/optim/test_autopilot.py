@@ -309,6 +309,35 @@ def test_auto_refuses_what_it_cannot_do():
         collage.AdamW(_model().parameters(), strategy=AUTO, autopilot={"every": 5})
 
 
+def test_two_parameters_of_one_name_are_refused_under_auto():
+    """Two modules' named_parameters() in two groups both name a tensor 'weight': the
+    autopilot, which decides each tensor by the lost updates measured under its name,
+    would judge them together (a tensor losing every update beside one losing none: 0.5,
+    neither promoted). Refused at construction, at add_param_group and when a group is
+    made 'auto', naming the name and both groups; a fixed strategy takes them, as
+    torch.optim does."""
+    def two_heads():
+        return torch.nn.Linear(4, 4, dtype=BF16), torch.nn.Linear(4, 4, dtype=BF16)
+    a, b = two_heads()
+    with pytest.raises(ValueError, match=r"two parameters are named 'weight' \(param "
+                                         r"groups 0 and 1\).*f'head\.\{n\}'"):
+        collage.AdamW([{"params": a.named_parameters()}, {"params": b.named_parameters()}],
+                      strategy=AUTO)
+    opt = collage.AdamW(a.named_parameters(), strategy=AUTO)
+    with pytest.raises(ValueError, match="two parameters are named 'weight'"):
+        opt.add_param_group({"params": b.named_parameters(), "strategy": NAMES.plus})
+    assert len(opt.param_groups) == 1
+    opt = collage.AdamW([{"params": a.named_parameters()}, {"params": b.named_parameters()}],
+                        strategy=NAMES.bf16)
+    opt.param_groups[1]["strategy"] = AUTO
+    with pytest.raises(ValueError, match=r"two parameters are named '(weight|bias)'"):
+        opt.step()
+    # unique names: accepted
+    collage.AdamW([{"params": [(f"a.{n}", p) for n, p in a.named_parameters()]},
+                   {"params": [(f"b.{n}", p) for n, p in b.named_parameters()]}],
+                  strategy=AUTO)
+
+
 def test_a_param_group_of_auto_beside_fixed_ones():
     model = _model()
     opt = collage.AdamW([

@@ -49,14 +49,16 @@ def _inputs(step: int) -> torch.Tensor:
         .requires_grad_()
 
 
-def _train(reentrant: bool | None, in_backward: bool, steps: int = 3) -> dict:
+def _train(reentrant: bool | None, in_backward: bool, steps: int = 3,
+           zero_grad: bool = True) -> dict:
     model = Shared(reentrant)
     opt = collage.AdamW(model.named_parameters(), lr=1e-2, strategy="plus",
                         step_in_backward=in_backward)
     for step in range(steps):
         model(_inputs(step)).float().square().mean().backward()
         opt.step()
-        opt.zero_grad()
+        if zero_grad:
+            opt.zero_grad()
     return {name: p.detach().clone() for name, p in model.named_parameters()} | {
         f"{name}.step": opt.state[p]["step"] for name, p in model.named_parameters()}
 
@@ -69,6 +71,14 @@ def test_checkpointed_weights_are_stepped_once_on_their_whole_gradient(reentrant
     assert all(int(stepped[f"{n}.step"]) == 3 for n in ("shared", "inner", "head"))
     assert_bitwise_equal(stepped, _train(reentrant, in_backward=False))
     assert_bitwise_equal(stepped, _train(None, in_backward=False))  # checkpointing: same math
+
+
+def test_the_documented_loop_needs_no_zero_grad_with_reentrant_checkpointing():
+    """docs/memory.md's loop has no zero_grad: the gradients step() itself steps (here the
+    reentrant segments' weights) are freed as the hooks free theirs, so the next backward
+    does not add into them (it did: 'inner' stepped on two batches' gradients)."""
+    assert_bitwise_equal(_train(True, in_backward=True, zero_grad=False),
+                         _train(True, in_backward=False))
 
 
 def test_a_weight_stepped_before_a_reentrant_segment_adds_to_it_is_refused():
@@ -123,6 +133,21 @@ def test_a_paused_backward_trains_nothing_and_leaves_the_gradients(feature):
         assert any(not torch.equal(p, before[n]) for n, p in model.d.named_parameters())
 
 
+def test_a_paused_backward_left_before_step_is_refused_naming_paused():
+    """A GAN loop that forgets to zero the discriminator's gradients: trained in one
+    backward, then a generator backward under paused() writes p.grad again. step() refuses
+    (it would step a second time), and the message names paused() and the fix, not DDP
+    alone (no DDP runs here)."""
+    model = _Pair()
+    d_opt = collage.AdamW(model.d.parameters(), lr=0.1, step_in_backward=True)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(2)).to(BF16)
+    model.d(model.g(x).detach()).float().sum().backward()
+    with d_opt.paused():
+        model.d(model.g(x)).float().sum().backward()
+    with pytest.raises(RuntimeError, match=r"opt\.paused\(\).*opt\.zero_grad\(\)"):
+        d_opt.step()
+
+
 def test_released_hooks_let_a_torch_optimizer_train_the_model():
     model, alone = torch.nn.Linear(4, 2, dtype=BF16), torch.nn.Linear(4, 2, dtype=BF16)
     alone.load_state_dict(model.state_dict())
@@ -169,7 +194,7 @@ def test_frozen_parameters_are_accepted_and_hooked_once_unfrozen(feature):
     """As torch.optim accepts them: a frozen parameter is left alone; unfrozen, it is
     trained as the optimizer's other parameters are (bit for bit a model trained with it
     unfrozen from the start, stepping after backward)."""
-    def run(opt_flags: dict, freeze_first: bool) -> dict:
+    def run(opt_flags: dict, freeze_first: bool, zero_grad: bool = True) -> dict:
         model = torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=BF16),
                                     torch.nn.Linear(4, 1, dtype=BF16))
         with torch.no_grad():
@@ -188,9 +213,14 @@ def test_frozen_parameters_are_accepted_and_hooked_once_unfrozen(feature):
         for _ in range(2):
             model(x).float().sum().backward()
             opt.step()
-            opt.zero_grad()
+            if zero_grad:
+                opt.zero_grad()
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
     trained = run(feature, freeze_first=True)
     # the same schedule without the feature: stepping after backward
     assert_bitwise_equal(trained, run({}, freeze_first=True))
+    if feature.get("step_in_backward"):
+        # docs/memory.md's loop, no zero_grad after the unfreezing: the first gradient,
+        # stepped by step() itself, is freed, not added into by the next backward
+        assert_bitwise_equal(run(feature, freeze_first=True, zero_grad=False), trained)

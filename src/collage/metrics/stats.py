@@ -289,6 +289,8 @@ def _unique(keys: str | Iterable[str]) -> list[str]:
     """``keys`` as a list without duplicates (first occurrence kept); a str is one key."""
     if isinstance(keys, str):
         return [keys]
+    if not isinstance(keys, Iterable):
+        raise TypeError(f"keys must be a str or an iterable of str, got {type(keys).__name__}")
     out: list[str] = []
     for key in keys:
         if not isinstance(key, str):

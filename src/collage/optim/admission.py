@@ -236,6 +236,7 @@ def check_groups(optimizer) -> None:
                 validate_settings(optimizer, group)
             else:
                 validate_group(optimizer, group, index)
+                _refuse_pooled_names(optimizer.param_groups)  # (a group made 'auto')
             book.checked(key)
         else:  # the same values in other objects: compare with these next time
             book.remember_objects()
@@ -267,6 +268,7 @@ def _admit(optimizer, changed: Sequence[tuple[int, dict]]) -> None:
         validate_group(optimizer, group, index)
         _refuse_duplicates(group, index, param_names(group, index))
     _refuse_shared_parameters(optimizer.param_groups)
+    _refuse_pooled_names(optimizer.param_groups)
     books = optimizer._books
     for index, group in changed:
         book = books.get(id(group))
@@ -325,6 +327,27 @@ def _refuse_shared_parameters(groups: list[dict]) -> None:
                 raise ValueError(
                     f"parameter {first[1]!r} is in param group {first[0]} and also in "
                     f"param group {index} (as {name!r}); list each parameter in one group")
+
+
+def _refuse_pooled_names(groups: list[dict]) -> None:
+    """Under ``strategy='auto'`` every parameter's name must be its own: the autopilot
+    decides each tensor by the lost-update fraction measured under its name
+    (``imprecision/<name>``), and two tensors of one name (two modules'
+    ``named_parameters()`` in two groups: both have ``weight``) would be measured together
+    and promoted, or kept, together. Refuse such a pair, naming it and the fix."""
+    if not any(group["strategy"] == AUTO for group in groups):
+        return
+    seen: dict[str, int] = {}
+    for index, group in enumerate(groups):
+        for name in param_names(group, index):
+            if name in seen:
+                raise ValueError(
+                    f"two parameters are named {name!r} (param groups {seen[name]} and "
+                    f"{index}): strategy='auto' decides each tensor by the lost updates "
+                    "measured under its name, so they would be judged together; give each "
+                    "parameter its own name, e.g. {'params': [(f'head.{n}', p) for n, p in "
+                    "head.named_parameters()]}")
+            seen[name] = index
 
 
 def rebook(optimizer, paths: list[str | None]) -> None:

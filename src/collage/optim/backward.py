@@ -40,7 +40,7 @@ from .strategies import get_strategy
 
 __all__ = ["GRAD_ACCUMULATIONS", "BUCKETS", "BUCKET_MAX_ELEMENTS", "Cycle", "check_keywords",
            "start_hooks", "on_grad_ready", "step_one", "flush", "take_cycle", "close_cycle",
-           "release_hooks", "write_grads"]
+           "free_gradients", "release_hooks", "write_grads"]
 
 #: ``grad_accumulation``'s values: what happens to a gradient between backward and step
 GRAD_ACCUMULATIONS = ("plain", "pair")
@@ -74,9 +74,11 @@ def check_keywords(step_in_backward: object, grad_accumulation: object) -> None:
 
 _WRITTEN_AFTER = (
     "parameter {name!r} has a gradient written after backward's hook ran: {what}. Something "
-    "wrote p.grad after autograd's accumulation; DDP does (the all-reduced gradient, at the "
-    "end of backward), so the hook saw the local gradient only. This is not supported under "
-    "DDP: leave step_in_backward and grad_accumulation at their defaults there")
+    "wrote p.grad after autograd's accumulation. A backward under opt.paused() does (a GAN's "
+    "generator loss through this model): zero the gradients it left (opt.zero_grad()) "
+    "before the next step(). DDP does (the all-reduced gradient, at the end of backward), "
+    "so the hook saw the local gradient only: this is not supported under DDP; leave "
+    "step_in_backward and grad_accumulation at their defaults there")
 
 
 @dataclass
@@ -326,6 +328,15 @@ def _refuse_scaler_after_hooks(optimizer) -> None:
         # grad_accumulation="pair": scaler.unscale_ divided p.grad (the sums' high halves)
         # in place, not the low halves: p.grad alone is the gradient (accumulation.py)
         optimizer._sums.drop_lows()
+
+
+def free_gradients(batches: list[Batch]) -> None:
+    """After ``step()`` under the step in backward: the gradients it stepped (or skipped)
+    freed, as :func:`flush` frees those of the hooks, so that every gradient is used once
+    whether a hook or ``step()`` stepped it (``docs/memory.md``)."""
+    for _, _, items in batches:
+        for item in items:
+            item.param.grad = None
 
 
 def release_hooks(optimizer) -> None:

@@ -155,6 +155,16 @@ class CollageOptimizer(Optimizer):
         admission.check_groups(self)  # what was done to param_groups since, checked
         admission.convert_strategies(self)  # before gathering: the items hold the states
         batches = stepping.gather(self)
+        self._step_gathered(cycle, batches)
+        if self.step_in_backward:
+            # what step() itself stepped (a gradient set by hand, a reentrant checkpoint's,
+            # an unfrozen parameter's first) is consumed as the hooks consume theirs: the
+            # loop has no zero_grad, and the next backward would add into it
+            backward.free_gradients(batches)
+        return loss
+
+    def _step_gathered(self, cycle: backward.Cycle | None, batches: list) -> None:
+        """step()'s work once the gradients are gathered: check, then land (or skip)."""
         sharded = stepping.sharded_over(batches)
         if cycle is not None:
             backward.close_cycle(self, cycle, batches)
@@ -165,15 +175,14 @@ class CollageOptimizer(Optimizer):
         planned = dispatch.prepare_native_plans(steps)
         if planned is not None and cycle is None and stepping.step_planned(self, batches,
                                                                            planned):
-            return loss
+            return
         if not nonfinite.gradients_usable(self, batches, sharded, steps):
-            return loss  # skipped (counted) or raised: nothing changed
+            return  # skipped (counted) or raised: nothing changed
         # every group is checked before any is stepped: a mismatch changes nothing
         prepared = stepping.prepare(batches, steps, planned)
         nonfinite.check_on_device(self, prepared)
         nonfinite.count_device_verdict(self, steps)
         stepping.land(self, batches, prepared, stats, sharded)
-        return loss
 
     def _warn_fallback(self, reason: str) -> None:
         """The groups' ``warn``: a fused path unavailable, said once per optimizer."""
