@@ -75,17 +75,29 @@ def _stochastic_round_bf16(x: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
 # The visible bf16 weight is T rounded to nearest by L, with ties (L == 0x8000) kept at T:
 # that tie rule makes the encoding invertible, since L > 0x8000 <=> the weight was rounded up
 # (one ulp away from zero: the integer view is sign-magnitude). We store L verbatim.
+#
+# A NaN master is the exception: its weight is T with the quiet bit set (0x0040: a NaN
+# whatever T's payload), never rounded. Rounded as a number, T would show a number: 0x7FFF
+# + 1 carries into the sign bit, a zero (CUDA's canonical NaN 0x7FFFFFFF gave -0.0), and
+# 0x7F80 kept (a payload in the low half only) is inf. It decodes to a NaN (exponent all
+# ones, mantissa at least 0x3F), not always its own bits: NaN payloads are not kept.
 _LOW_MASK = 0xFFFF
 _HALF = 0x8000
+_QUIET = 0x0040  # bf16's quiet-NaN bit: the top mantissa bit
+_ABS = 0x7FFFFFFF
+_INF = 0x7F800000
 
 
 def split_encode(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split float32 ``master`` into (bf16 weight nearest to it, int16 low bits). Exact."""
+    """Split float32 ``master`` into (bf16 weight nearest to it, int16 low bits). Exact
+    (``split_decode`` gives ``master``'s bits back) for every master but NaN; a NaN
+    master's weight is a NaN and decodes to a NaN."""
     bits = master.view(torch.int32)
     top = bits >> 16  # arithmetic shift keeps the sign in the int32, masked below
     low = bits & _LOW_MASK
-    rounded_up = (low > _HALF).to(torch.int32)
-    weight_bits = (top + rounded_up) & _LOW_MASK
+    nan = (bits & _ABS) > _INF
+    rounded_up = ((low > _HALF) & ~nan).to(torch.int32)
+    weight_bits = torch.where(nan, top | _QUIET, top + rounded_up) & _LOW_MASK
     return _as_int16(weight_bits).view(torch.bfloat16), _as_int16(low)
 
 

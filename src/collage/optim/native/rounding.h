@@ -54,9 +54,10 @@ static inline float split_decode(uint16_t weight, uint16_t low) {
     return f_of((((uint32_t)weight - up) << 16) | low);
 }
 
+/* (a NaN master's weight is its top half made quiet, never rounded: rounding.split_encode) */
 static inline void split_encode(float master, uint16_t *weight, uint16_t *low) {
-    uint32_t u = u_of(master), l = u & 0xFFFFu;
-    *weight = (uint16_t)((u >> 16) + (l > 0x8000u));
+    uint32_t u = u_of(master), l = u & 0xFFFFu, t = u >> 16;
+    *weight = (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? t | 0x40u : t + (l > 0x8000u));
     *low = (uint16_t)l;
 }
 
@@ -247,9 +248,13 @@ static inline __m512 v_split_decode(__m512i w16, __m512i low16) {
  * its int32 lane (the weight's upper bits may hold a carry; packing keeps 16 bits) */
 static inline void v_split_encode(__m512 master, __m512i *weight, __m512i *low) {
     __m512i bits = _mm512_castps_si512(master);
+    __m512i top = _mm512_srli_epi32(bits, 16);
     *low = _mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF));
+    /* a NaN master: its top half made quiet, never rounded (split_encode) */
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
+                                            _mm512_set1_epi32(0x7F800000));
     __m512i up = _mm512_movm_epi32(_mm512_cmpgt_epu32_mask(*low, _mm512_set1_epi32(0x8000)));
-    *weight = _mm512_sub_epi32(_mm512_srli_epi32(bits, 16), up);
+    *weight = _mm512_mask_or_epi32(_mm512_sub_epi32(top, up), nan, top, _mm512_set1_epi32(0x40));
 }
 
 

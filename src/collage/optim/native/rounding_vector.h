@@ -162,7 +162,10 @@ static inline __attribute__((always_inline)) void g_split_encode(vf master, vu *
                                                                vu *low) {
     vu bits = u_bits(master);
     *low = bits << 16;
-    *weight = (bits & 0xFFFF0000u) + ((vu)((bits & 0xFFFFu) > 0x8000u) & 0x10000u);
+    /* a NaN master: its top half made quiet, never rounded (split_encode) */
+    vu nan = (vu)((bits & 0x7FFFFFFFu) > 0x7F800000u);
+    vu up = (vu)((bits & 0xFFFFu) > 0x8000u) & ~nan & 0x10000u;
+    *weight = ((bits & 0xFFFF0000u) | (nan & 0x400000u)) + up;
 }
 
 /* split_decode of widened words */

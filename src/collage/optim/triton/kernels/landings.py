@@ -63,9 +63,12 @@ def _land_new(new, w_ptr, x_ptr, offs, mask, draw, LANDING: tl.constexpr,
         tl.store(w_ptr + offs, _stochastic_bf16_draw16(new, draw).to(tl.uint16), mask=mask)
     elif LANDING == L_SPLIT:
         # rounding.split_encode: the bf16 weight nearest the master, its low 16 bits
+        # (a NaN master: its top half made quiet, never rounded)
         bits = new.to(tl.uint32, bitcast=True)
         low = bits & 0xFFFF
-        top = (bits >> 16) + (low > 0x8000).to(tl.uint32)
+        top = bits >> 16
+        nan = (bits & 0x7FFFFFFF) > 0x7F800000
+        top = tl.where(nan, top | 0x40, top + (low > 0x8000).to(tl.uint32))
         tl.store(w_ptr + offs, top.to(tl.uint16), mask=mask)
         tl.store(x_ptr + offs, low.to(tl.uint16), mask=mask)
     else:
