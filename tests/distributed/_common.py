@@ -306,12 +306,19 @@ def init_process_group(rank: int, world: int, init_file: str) -> None:
                             world_size=world, timeout=datetime.timedelta(seconds=120))
 
 
-def fsdp_wrap(model: nn.Module) -> nn.Module:
-    """FSDP2 (``fully_shard``) on the block and the root, over all ranks (1-D mesh)."""
+def fsdp_wrap(model: nn.Module, inner: bool = False) -> nn.Module:
+    """FSDP2 (``fully_shard``) on the block and the root, over all ranks (1-D mesh).
+    ``inner``: matrices sharded on their second dimension (``Shard(1)``, where it divides
+    evenly), so that a rank's shard is no flat range of the whole tensor."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
-    fully_shard(model.block)
-    fully_shard(model)
+    def placement(param: torch.Tensor):
+        return Shard(1) if param.dim() == 2 and param.shape[1] % 2 == 0 else Shard(0)
+
+    kwargs = {"shard_placement_fn": placement} if inner else {}
+    fully_shard(model.block, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 

@@ -4,7 +4,7 @@ Usage::
 
     python _worker.py RANK WORLD INIT_FILE OUT_DIR TASK[:STRATEGY,...] [...]
 
-Tasks: ``ddp``, ``fsdp`` (train 10 steps, compare with single-process training),
+Tasks: ``ddp``, ``fsdp``, ``fsdp_inner`` (matrices sharded on dimension 1) (train 10 steps, compare with single-process training),
 ``dcp_save`` (FSDP2: 5 steps, DCP checkpoint, 5 more) and ``dcp_load`` (fresh model, load
 that checkpoint with this world size, sharded under FSDP2 for WORLD > 1, a plain model for
 WORLD == 1, 5 steps; must equal the uninterrupted run). No strategies means all eight.
@@ -131,31 +131,33 @@ def task_ddp(strategy: str, checks: list) -> None:
                                                       initial))
 
 
-def task_fsdp(strategy: str, checks: list) -> None:
+def task_fsdp(strategy: str, checks: list, task: str = "fsdp") -> None:
+    """``fsdp_inner``: the matrices sharded on their second dimension (no rank's shard is a
+    flat range: the native kernels take them where the strategy draws nothing)."""
     model = C.build_model(strategy)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
-    C.fsdp_wrap(model)
+    C.fsdp_wrap(model, inner=task == "fsdp_inner")
     optimizer = C.make_optimizer(model.parameters(), strategy)
     losses, stats = local_steps(model, optimizer, 0, C.STEPS)
-    fail("fsdp", strategy, "layout", C.state_layout_problems(model, optimizer, strategy))
+    fail(task, strategy, "layout", C.state_layout_problems(model, optimizer, strategy))
     snap = C.snapshot(model, optimizer)
     consolidated = collage.consolidate(model, optimizer)
     if any(hasattr(v, "to_local") or v.dtype != torch.float32 for v in consolidated.values()):
-        fail("fsdp", strategy, "consolidate", ["did not return whole float32 tensors"])
+        fail(task, strategy, "consolidate", ["did not return whole float32 tensors"])
     if not same_on_all_ranks(consolidated):
-        fail("fsdp", strategy, "ranks", ["consolidate differs across ranks"])
+        fail(task, strategy, "ranks", ["consolidate differs across ranks"])
     collage.load_full_precision(model, optimizer, consolidated)  # sharded: each rank's slice
     reloaded = C.snapshot(model, optimizer)
 
     def check() -> None:
-        compare_with_single_process("fsdp", strategy, snap, stats, losses, initial)
+        compare_with_single_process(task, strategy, snap, stats, losses, initial)
         ref_model, ref_opt, _, _ = C.train_reference(strategy, world=2)
         ref_consolidated = collage.consolidate(ref_model, ref_opt)
-        fail("fsdp", strategy, "consolidate", [
+        fail(task, strategy, "consolidate", [
             "vs single process: " + m for m in C.bitwise_mismatches(
                 consolidated, ref_consolidated)])
         collage.load_full_precision(ref_model, ref_opt, ref_consolidated)
-        fail("fsdp", strategy, "consolidate", [
+        fail(task, strategy, "consolidate", [
             "load_full_precision vs single process: " + m for m in C.bitwise_mismatches(
                 reloaded, C.snapshot(ref_model, ref_opt))])
 
@@ -259,8 +261,9 @@ def task_dcp_load(strategy: str, out: Path, checks: list) -> None:
 
 # ------------------------------------------------------------------------------ main
 
-TASKS = {"ddp": task_ddp, "fsdp": task_fsdp, "dcp_save": task_dcp_save,
-         "dcp_load": task_dcp_load}
+TASKS = {"ddp": task_ddp, "fsdp": task_fsdp,
+         "fsdp_inner": lambda strategy, checks: task_fsdp(strategy, checks, "fsdp_inner"),
+         "dcp_save": task_dcp_save, "dcp_load": task_dcp_load}
 
 
 def parse_case(text: str) -> tuple[str, list[str]]:

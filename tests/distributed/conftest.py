@@ -14,14 +14,16 @@ from ._launch import launch
 
 #: (task, strategy) pairs of the default run; everything else is marked slow.
 QUICK_DP = {("ddp", "plus"), ("fsdp", "mixed"), ("fsdp", "plus"), ("fsdp", "split"),
-            ("fsdp", "stochastic"), ("ddp", C.AUTO), ("fsdp", C.AUTO)}
+            ("fsdp", "stochastic"), ("ddp", C.AUTO), ("fsdp", C.AUTO),
+            ("fsdp_inner", "mixed"), ("fsdp_inner", "stochastic")}
 QUICK_DCP = ("split", "stochastic")
-ALL_DP = [(task, s) for task in ("ddp", "fsdp") for s in (*C.ALL_STRATEGIES, C.AUTO)]
+DP_TASKS = ("ddp", "fsdp", "fsdp_inner")  # fsdp_inner: matrices sharded on dimension 1
+ALL_DP = [(task, s) for task in DP_TASKS for s in (*C.ALL_STRATEGIES, C.AUTO)]
 
 
 def _world2_cases(dp, dcp) -> list[str]:
     cases = []
-    for task in ("ddp", "fsdp"):
+    for task in DP_TASKS:
         names = [s for t, s in dp if t == task]
         if names:
             cases.append(f"{task}:{','.join(names)}")

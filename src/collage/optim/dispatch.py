@@ -25,8 +25,8 @@ path           selected by                                what runs
 ``TRITON_INTERPRET=1``, a group they do not cover) runs what ``fused=True`` runs, with one
 warning. A compiled path that cannot compile (no C++ compiler, no Triton, an inductor
 failure) runs ``foreach`` with one warning. Tensors a fast path cannot take (not contiguous, on
-another device than the group's first, a shard that is not one flat range) run the eager
-kernel one by one, with the same arithmetic.
+another device than the group's first, a shard that is not one flat range where the
+strategy draws) run the eager kernel one by one, with the same arithmetic.
 """
 
 from __future__ import annotations

@@ -49,11 +49,16 @@ def step_planned(group: GroupStep, grads: array) -> bool:
 
 def native_entries(group: GroupStep, entries: list[Entry]) -> list[Entry]:
     """The entries the kernels can take (their row tensors attached): contiguous CPU
-    tensors of the kernel's dtypes, one flat range each; the rest are left to the caller."""
+    tensors of the kernel's dtypes, one flat range each where the strategy draws (the
+    draws are keyed by the element's index in the whole tensor); the rest are left to the
+    caller. A shard on an inner dimension (FSDP2's ``Shard(1)``) is contiguous locally:
+    without draws every element's step is its own, so the kernels take it too, and it
+    gets their bits (their square root is IEEE's, torch's CPU one not always)."""
     device = torch.device("cpu")
     out = []
     for entry in entries:
-        if entry.offset is None or not entry.contiguous_on(device):
+        if ((entry.offset is None and group.strategy.draws)
+                or not entry.contiguous_on(device)):
             continue
         entry.native = calls.row_tensors(group.rule, group.strategy, entry.param, entry.grad,
                                          entry.tensors, checked=True)
@@ -90,7 +95,8 @@ def _call(group: GroupStep, entries: list[Entry], step: int, sums, owners) -> No
     for entry in entries:
         keys = (stochastic_key(group.seed, entry.item.position, step)
                 if group.strategy.draws else (0, 0))
-        rows.append((entry.native, entry.offset, *keys))
+        # (the first index keys the draws only: 0 for a shard of no flat range, no draws)
+        rows.append((entry.native, entry.offset or 0, *keys))
     out = None
     if sums is not None:  # the usual single job over every entry writes in place
         whole = len(owners) == sums.shape[0]
