@@ -190,6 +190,57 @@ def test_resume_from_a_state_dict_continues_bit_for_bit(path):
         n: resumed_opt.strategy_of(p) for n, p in resumed.named_parameters()}
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_distributed_checkpoint_resumes_bit_for_bit_through_adopt_rungs(tmp_path):
+    """torch.distributed.checkpoint (one process, no process group) loads only the keys of
+    the template a fresh optimizer makes, where every tensor is at the first rung: a
+    promoted tensor's low parts were silently left behind (every tensor back at bf16).
+    Its saved state now names its rung: a load with the fresh template is refused,
+    naming the parameter, the rung and the fix; adopt_rungs, then a new template, resumes
+    bit for bit."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    straight = _model()
+    straight_opt = _auto_adamw(straight)
+    _train(straight, straight_opt, range(20))
+    first = _model()
+    first_opt = _auto_adamw(first)
+    _train(first, first_opt, range(10))
+    rungs = {name: first_opt.strategy_of(p) for name, p in first.named_parameters()}
+    assert set(rungs.values()) > {NAMES.bf16}  # promoted tensors are saved
+    model_sd, optim_sd = get_state_dict(first, first_opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path))
+
+    def template(model, opt) -> dict:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        return {"model": model_sd, "optim": optim_sd}
+
+    naive = _model(seed=1)
+    naive_opt = _auto_adamw(naive)
+    state = template(naive, naive_opt)
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    with pytest.raises(ValueError, match=r"was at the autopilot's rung '(light|plus)'.*"
+                                         r"adopt_rungs"):
+        set_state_dict(naive, naive_opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+    resumed = _model(seed=1)
+    resumed_opt = _auto_adamw(resumed)
+    state = template(resumed, resumed_opt)
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    assert resumed_opt.adopt_rungs(state["optim"]) == sum(
+        rung != NAMES.bf16 for rung in rungs.values())
+    state = template(resumed, resumed_opt)  # now with every rung's components
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    set_state_dict(resumed, resumed_opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    assert {n: resumed_opt.strategy_of(p) for n, p in resumed.named_parameters()} == rungs
+    _train(resumed, resumed_opt, range(10, 20))
+    assert_bitwise_equal(_model_snapshot(straight, straight_opt),
+                         _model_snapshot(resumed, resumed_opt))
+
+
 def test_copies_keep_each_tensors_strategy():
     model = _model()
     opt = _auto_adamw(model)

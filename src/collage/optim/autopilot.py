@@ -34,11 +34,16 @@ from . import convert
 from .rules import Rule
 from .strategies import NAMES, Strategy, check_weight, get_strategy
 
-__all__ = ["AUTO", "Autopilot", "Decision", "Pilot", "RungGroup", "owner_of", "cache_of",
-           "strategy_bytes"]
+__all__ = ["AUTO", "RUNG_KEY", "Autopilot", "Decision", "Pilot", "RungGroup", "owner_of",
+           "cache_of", "strategy_bytes"]
 
 #: the strategy name that asks for the autopilot (not a storage strategy: not registered)
 AUTO = "auto"
+
+#: the key of an ``auto`` tensor's rung in its *saved* state (``state_dict()`` only, never
+#: in the live state): a loader that fills only the keys of its template
+#: (``torch.distributed.checkpoint``) still loads which rung the tensor was at
+RUNG_KEY = "autopilot_rung"
 
 #: the default ladder, cheapest first; rungs a rule stores no better than the rung below
 #: (``plus`` for SGD, whose momentum is no slow EMA: ``light``'s layout) are left out
@@ -221,6 +226,33 @@ class Pilot:
         raise ValueError(f"the saved state has keys {sorted(set(state) - {'step'})}, the "
                          f"layout of no rung of the autopilot's ladder {self.names}: load "
                          "it into an optimizer with the ladder it was saved with")
+
+    def rung_named(self, name: object, where: str) -> Strategy:
+        """The ladder's rung called ``name`` (a saved state's :data:`RUNG_KEY`); a
+        ValueError naming ``where`` and the ladder where it has none."""
+        if name not in self.names:
+            raise ValueError(f"{where} is at rung {name!r}, which the autopilot's ladder "
+                             f"{self.names} does not have: load it into an optimizer with "
+                             "the ladder it was saved with")
+        return self.ladder[self.names.index(name)]
+
+    def move(self, optimizer, param: torch.Tensor, name: str) -> bool:
+        """Put an ``auto`` tensor at rung ``name`` (its state converted exactly, as a
+        promotion converts it); whether it moved."""
+        position = optimizer._positions[id(param)]
+        old = self.rung_named(self.strategy_at(AUTO, position), "the tensor")
+        new = self.rung_named(name, "the tensor")
+        if new is old:
+            return False
+        state = optimizer.state.get(param)
+        if state:
+            optimizer.state[param] = convert.convert(optimizer.rule, old, new, param, state,
+                                                     optimizer.seed, position)
+            optimizer._writes.note((param,))
+        self.install({position: new.name})
+        for book in optimizer._books.values():
+            book.cache = {}  # the plans hold the old states
+        return True
 
     def install(self, positions: Mapping[int, str]) -> None:
         """Set the rungs of an ``auto`` group's parameters (a loaded state's); the first

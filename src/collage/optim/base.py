@@ -107,6 +107,15 @@ class CollageOptimizer(Optimizer):
                                                self._positions[id(param)])
         raise ValueError("param is not a parameter of this optimizer")
 
+    def adopt_rungs(self, state_dict: dict[str, Any]) -> int:
+        """Put each ``auto`` tensor at the rung its saved state names (exactly, as a
+        promotion does), loading nothing else; returns how many moved. For
+        ``torch.distributed.checkpoint``, which loads only the keys of a template made
+        from this optimizer: load once, adopt, make the template again and load
+        (``docs/autopilot.md``)."""
+        admission.check_membership(self)
+        return state_io.adopt_rungs(self, state_dict)
+
     @property
     def autopilot_decisions(self) -> list[Decision]:
         """The autopilot's promotions (``autopilot.Decision``: step, tensor, from, to,
@@ -295,6 +304,7 @@ class CollageOptimizer(Optimizer):
         # (whose state entries are made by the step that fills them)
         sd["state"] = {key: value for key, value in sd["state"].items()
                        if not (isinstance(value, dict) and not value)}
+        state_io.mark_rungs(self, sd)  # an auto tensor's rung, for loaders like DCP's
         sd["collage"] = {
             "skipped_steps": self.skipped_steps,
             "steps_taken": self._steps_taken,

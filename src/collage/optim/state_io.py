@@ -27,10 +27,10 @@ from . import backward, convert
 from .admission import check_seed, param_names, validate_group
 from .edits import WriteLog
 from .nonfinite import settle_skips
-from .autopilot import AUTO, Autopilot, Decision, Pilot
+from .autopilot import AUTO, RUNG_KEY, Autopilot, Decision, Pilot
 from .strategies import Strategy, get_strategy
 
-__all__ = ["load"]
+__all__ = ["load", "mark_rungs", "adopt_rungs"]
 
 #: the keys a ``torch.optim`` state of each rule may hold
 _TORCH_STATE_KEYS = {"adamw": {"step", "exp_avg", "exp_avg_sq"},
@@ -74,6 +74,41 @@ def load(optimizer, state_dict: dict[str, Any]) -> None:
     optimizer.state.update(states)
     optimizer._pilot.install(rungs)
     _set_extra(optimizer, extra)
+
+
+def mark_rungs(optimizer, state_dict: dict[str, Any]) -> None:
+    """``state_dict()``'s: each ``auto`` tensor's saved state names its rung
+    (:data:`RUNG_KEY`), in a copy of that state (the live one is untouched)."""
+    states = state_dict["state"]
+    for group, saved_group in zip(optimizer.param_groups, state_dict["param_groups"]):
+        if group["strategy"] != AUTO:
+            continue
+        for param, key in zip(group["params"], saved_group["params"]):
+            if isinstance(states.get(key), dict):
+                rung = optimizer._pilot.strategy_at(AUTO, optimizer._positions[id(param)])
+                states[key] = {**states[key], RUNG_KEY: rung}
+
+
+def adopt_rungs(optimizer, state_dict: dict[str, Any]) -> int:
+    """``optimizer.adopt_rungs``: each ``auto`` tensor put at the rung its saved state
+    names, exactly (``Pilot.move``), so that a state dict made afterwards has that rung's
+    keys; how many moved. Nothing else is loaded."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+        raise ValueError("state_dict must be an optimizer state dict with 'state' and "
+                         "'param_groups' (optimizer.state_dict()'s or get_state_dict's)")
+    saved_groups = state_dict["param_groups"]
+    _check_sizes(optimizer, saved_groups)
+    moved = 0
+    for index, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        if group["strategy"] != AUTO:
+            continue
+        for name, param, key in zip(param_names(group, index), group["params"],
+                                    saved_group["params"]):
+            saved = state_dict["state"].get(key)
+            if isinstance(saved, dict) and RUNG_KEY in saved:
+                optimizer._pilot.rung_named(saved[RUNG_KEY], f"parameter {name!r}")
+                moved += optimizer._pilot.move(optimizer, param, saved[RUNG_KEY])
+    return moved
 
 
 def _installed(merged: dict, current: dict) -> dict:
@@ -158,10 +193,12 @@ def _strategy_to_load(optimizer, name: str, param, group: dict, saved: dict | No
         return get_strategy(group["strategy"])
     if from_torch or not isinstance(saved, dict):
         return optimizer._pilot.ladder[0]
+    if RUNG_KEY in saved:  # (saved since 2026-12-07; before, the layout says it)
+        return optimizer._pilot.rung_named(saved[RUNG_KEY],
+                                           f"the saved state of parameter {name!r}")
     try:
         return optimizer._pilot.loaded_strategy(
-            optimizer.rule, param, _on({k: v for k, v in saved.items() if k != "step"},
-                                       param))
+            optimizer.rule, param, _on(_tensors(saved), param))
     except ValueError as error:
         raise ValueError(f"optimizer state of parameter {name!r}: {error}") from None
 
@@ -179,17 +216,29 @@ def _check_state(optimizer, name: str, param, strategy: Strategy, saved: dict | 
     _check_step(name, saved.get("step"))
     if from_torch:
         return _check_torch_state(optimizer, name, param, saved)
-    restored = {k: v for k, v in saved.items() if k != "step"}
+    restored = _tensors(saved)
     mismatch = strategy.state_mismatch(optimizer.rule, param, _on(restored, param))
     expected = {c.key for c in strategy.components(optimizer.rule, param.dtype)} - {"param"}
     extra = set(restored) - expected
     if mismatch is None and extra:
         mismatch = f"{sorted(extra)} are not the strategy's"
+    if mismatch is not None and RUNG_KEY in saved:
+        raise ValueError(
+            f"the saved state of parameter {name!r} was at the autopilot's rung "
+            f"{strategy.name!r} and does not hold its layout: {mismatch}. A "
+            "torch.distributed.checkpoint load fills only the keys of its template: call "
+            "optimizer.adopt_rungs(loaded_optimizer_state) and load again with a new "
+            "template (docs/autopilot.md, 'torch.distributed.checkpoint')")
     if mismatch is not None:
         raise ValueError(
             f"optimizer state of parameter {name!r} does not match strategy "
             f"{strategy.name!r}: {mismatch}. Load a checkpoint saved with the same strategy "
             "and model, or convert it with collage.consolidate / collage.load_full_precision")
+
+
+def _tensors(saved: dict) -> dict:
+    """A saved state's components: without the step counter and the rung's name."""
+    return {k: v for k, v in saved.items() if k not in ("step", RUNG_KEY)}
 
 
 def _check_step(name: str, step) -> None:
@@ -230,6 +279,8 @@ def _restored(optimizer, param, group: dict, strategy: Strategy, saved: dict,
                                         optimizer.seed, position)
     restored = {}
     for key, value in saved.items():
+        if key == RUNG_KEY:
+            continue  # (the rung is the pilot's: installed by load)
         if isinstance(value, torch.Tensor) and key == "step":
             # where a new state keeps it: on the host (reading it waits for no device, and
             # a meta parameter's counter still counts), on the device when capturable
