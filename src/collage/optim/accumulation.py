@@ -33,7 +33,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .hooks import HookSet, refuse_data_parallel
+from .hooks import HookSet, refuse_data_parallel, weakly
 from .step_hooks import never_traced
 
 __all__ = ["GradSums", "PairHooks", "combine", "split"]
@@ -210,7 +210,7 @@ class PairHooks(HookSet):
         for key, (param, _) in self._handles.items():
             if key not in self._before_handles:
                 self._before_handles[key] = param.register_hook(
-                    functools.partial(self._before, weakref.ref(param)))
+                    functools.partial(weakly(self._before), weakref.ref(param)))
                 with torch.enable_grad():
                     self._accumulators[key] = param.view_as(param).grad_fn.next_functions[0][0]
 

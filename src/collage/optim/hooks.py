@@ -25,7 +25,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.autograd.function import BackwardCFunction
 
-__all__ = ["HookSet", "inside_reentrant_backward", "refuse_data_parallel", "take_over"]
+from .step_hooks import never_traced
+
+__all__ = ["HookSet", "inside_reentrant_backward", "refuse_data_parallel", "take_over",
+           "weakly"]
 
 #: The frame of a custom autograd Function's backward (``Function.apply`` in backward).
 #: Reentrant checkpointing (torch.utils.checkpoint with ``use_reentrant=True``, and the
@@ -102,6 +105,23 @@ def take_over(params: Iterable[torch.Tensor], keeper: object | None) -> None:
             RuntimeWarning, stacklevel=4)
 
 
+def weakly(method: Callable) -> Callable:
+    """``method`` (bound) called through a weak reference to its object, for a hook stored
+    on a tensor: the hook must not hold the hook set, which holds the tensor. That cycle
+    runs through autograd's hook storage, which the garbage collector does not see, so a
+    model and its optimizer were never freed (``del model, opt; gc.collect()``) under
+    ``step_in_backward`` or ``grad_accumulation="pair"``. Once the set is gone the hook
+    does nothing."""
+    ref = weakref.WeakMethod(method)
+
+    @never_traced  # autograd calls it in the middle of backward
+    def call(*args):
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return call
+
+
 class HookSet:
     """One post-accumulate-grad hook per parameter, calling ``on_ready(owner, param)``. The
     hook holds the optimizer weakly: a dropped optimizer leaves no live hook behind (a hook
@@ -136,7 +156,7 @@ class HookSet:
             if not param.requires_grad:
                 self._frozen[key] = param
                 continue
-            handle = param.register_post_accumulate_grad_hook(self._hook)
+            handle = param.register_post_accumulate_grad_hook(weakly(self._hook))
             self._handles[key] = (param, handle)
             _OWNERS[key] = (weakref.ref(param), weakref.ref(self))
 
