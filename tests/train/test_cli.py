@@ -34,6 +34,8 @@ from collage.train.models import build_model
         (["train", "--nproc", "3", "--batch-size", "4"],
          "--nproc 3: --batch-size 4 must be divisible by it"),
         (["train", "--nproc", "0"], "--nproc: must be positive, got 0"),
+        (["train", "--nproc", "2", "--grad-accum", "2"],
+         "--grad-accum 2 with --nproc 2: each rank runs its slice"),  # (was ignored)
         (["train", "--seed", "-1"], "--seed: must be in [0, 2**64)"),
         (["compare", "--seeds", "3", "--seed", str(2**64 - 2)],
          "--seed: must be in [0, 2**64) (and --seeds 3's last"),

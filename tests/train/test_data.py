@@ -99,6 +99,26 @@ def test_local_text_file(tmp_path):
     assert corpus.n_tokens == 10_000
 
 
+def test_max_bytes_reads_only_what_it_keeps(tmp_path, monkeypatch):
+    """--max-bytes limits the read, not only what is kept (a file larger than memory was
+    read whole, then cut)."""
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(b"x" * 50_000)
+    reads = []
+    real_open = open
+
+    def spy(file, mode="r", *args, **kwargs):
+        handle = real_open(file, mode, *args, **kwargs)
+        if str(file) == str(path):
+            real_read = handle.read
+            handle.read = lambda size=-1: reads.append(size) or real_read(size)
+        return handle
+
+    monkeypatch.setattr("builtins.open", spy)
+    assert load_corpus(DataConfig(path=str(path), max_bytes=10_000)).n_tokens == 10_000
+    assert reads == [10_000]
+
+
 def test_too_short_text_is_a_usage_error(tmp_path):
     path = tmp_path / "short.txt"
     path.write_text("tiny", encoding="utf-8")
@@ -117,6 +137,35 @@ def test_hf_dataset_from_local_json(tmp_path):
     assert corpus.n_tokens > 50_000 and "line 7" in decode(torch.cat([corpus.train, corpus.val]))
     with pytest.raises(UsageError, match="no column"):
         load_corpus(DataConfig(dataset=str(path), text_column="body"))
+
+
+def test_hf_dataset_from_a_text_file_is_the_text_of_data(tmp_path):
+    """A .txt file through --dataset is the same text as through --data: one document, its
+    line breaks kept (by line, every row was joined by a blank line: each break doubled,
+    7 % more tokens here, every one a newline)."""
+    pytest.importorskip("datasets")
+    path = tmp_path / "code.txt"
+    path.write_text("def f(x):\n    return x\n\nclass A:\n    pass\n" * 2000,
+                    encoding="utf-8")
+    as_data, as_dataset = (load_corpus(DataConfig(**{key: str(path)}))
+                           for key in ("path", "dataset"))
+    assert torch.equal(torch.cat([as_dataset.train, as_dataset.val]),
+                       torch.cat([as_data.train, as_data.val]))
+
+
+def test_hf_dataset_errors_say_why(tmp_path):
+    """The innermost cause, not datasets' "An error occurred while generating the
+    dataset"; a split a saved DatasetDict lacks is named with the splits it has."""
+    datasets = pytest.importorskip("datasets")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\u00e9 cr\u00e8me\n".encode("latin-1") * 1000)
+    with pytest.raises(UsageError, match="UnicodeDecodeError: 'utf-8' codec can't decode"):
+        load_corpus(DataConfig(dataset=str(latin1)))
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a b c " * 100]})}
+                         ).save_to_disk(str(saved))
+    with pytest.raises(UsageError, match="has no split 'validation'; its splits: train"):
+        load_corpus(DataConfig(dataset=str(saved), dataset_split="validation"))
 
 
 def test_missing_datasets_package_is_a_usage_error(monkeypatch):

@@ -271,6 +271,14 @@ def test_collage_memory_counts_the_preset_model(capsys):
 
     n = sum(p.numel() for p in build_model(get_preset("micro").model, VOCAB_SIZE).parameters())
     assert json.loads(capsys.readouterr().out)["params"] == n
+    # a BPE preset: the model of its vocabulary (4,096 rows of embedding and head), not of
+    # the byte vocabulary (it counted 1,869,888 of the 3,344,064 parameters)
+    study = get_preset("study")
+    assert study.data.tokenizer == "bpe"
+    assert main(["memory", "--preset", "study", "--strategy", "plus", "--json"]) == 0
+    n = sum(p.numel() for p in build_model(study.model, study.data.vocab_size).parameters())
+    assert n > 3_000_000
+    assert json.loads(capsys.readouterr().out)["params"] == n
     assert main(["memory", "--params", "1M", "--preset", "micro"]) == 2
     assert "--params and --preset/model flags both give the model size" in \
         capsys.readouterr().err

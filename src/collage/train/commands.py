@@ -20,7 +20,7 @@ from .build import resolve_device
 from .checkpoint import save_atomic
 from .compare import compare
 from .config import Config, strategies
-from .data import VOCAB_SIZE, load_corpus, make_batches
+from .data import load_corpus, make_batches, vocab_size
 from .distributed import launch, teardown, under_launcher
 from .flags import add_config_flags, config_from_args
 from .memory import (COMPARED_WITH, DEFAULT_GRAD_DTYPE, GRAD_DTYPES, bytes_per_param,
@@ -239,7 +239,7 @@ def _memory_params(args: argparse.Namespace) -> float:
         return 6.7e9
     config = config_from_args(args, "memory")
     with torch.device("meta"):
-        model = build_model(config.model, VOCAB_SIZE)
+        model = build_model(config.model, vocab_size(config.data))  # BPE presets: theirs
     return float(sum(p.numel() for p in model.parameters()))
 
 

@@ -427,6 +427,13 @@ class Config:
             raise UsageError(f"--grad-accum {self.optim.grad_accum}: --batch-size "
                              f"{self.data.batch_size} must be divisible by it (equal "
                              "micro-batches)")
+        if self.optim.grad_accum > 1 and self.run.nproc > 1:
+            # each rank steps its slice of the batch in one backward (runner._backward):
+            # micro-batches there would need DDP's no_sync, not written
+            raise UsageError(f"--grad-accum {self.optim.grad_accum} with --nproc "
+                             f"{self.run.nproc}: each rank runs its slice of the batch in one "
+                             "backward; use --nproc 1 for micro-batches, or more ranks "
+                             "(each a smaller slice)")
         hooked = self.optim.step_in_backward or self.optim.grad_accumulation != "plain"
         if hooked and self.run.nproc > 1:
             raise UsageError("--step-in-backward and --grad-accumulation pair run before "

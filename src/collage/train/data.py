@@ -196,12 +196,24 @@ class Corpus:
         return len(self.train) + len(self.val)
 
 
-def _read_file(path: str) -> bytes:
+def _read_file(path: str, limit: int | None = None) -> bytes:
+    """The file's bytes, its first ``limit`` only where given (--max-bytes: a file larger
+    than memory is not read whole to be cut)."""
     try:
         with open(path, "rb") as handle:
-            return handle.read()
+            return handle.read() if limit is None else handle.read(limit)
     except OSError as error:
         raise UsageError(f"--data: cannot read {path!r}: {error.strerror}") from None
+
+
+def _reason(error: BaseException) -> str:
+    """The first line of what went wrong, from the innermost error: datasets wraps the
+    cause (a UnicodeDecodeError of a file that is not UTF-8) in its own "An error occurred
+    while generating the dataset"."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def _load_dataset(cfg: DataConfig) -> bytes:
@@ -220,9 +232,17 @@ def _load_dataset(cfg: DataConfig) -> bytes:
             if ext not in builders:
                 raise UsageError(f"--dataset: cannot tell the format of {name!r}; use one of "
                                  + ", ".join(builders))
-            ds = datasets.load_dataset(builders[ext], data_files=name, split=cfg.dataset_split)
+            # a text file as one document, as --data reads it (by line, every line became
+            # a row, and rows are joined by a blank line below: each line break doubled)
+            extra = {"sample_by": "document"} if builders[ext] == "text" else {}
+            ds = datasets.load_dataset(builders[ext], data_files=name, split=cfg.dataset_split,
+                                       **extra)
         elif os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_dict.json")):
-            ds = datasets.load_from_disk(name)[cfg.dataset_split]
+            splits = datasets.load_from_disk(name)
+            if cfg.dataset_split not in splits:
+                raise UsageError(f"--dataset-split: {name!r} has no split "
+                                 f"{cfg.dataset_split!r}; its splits: " + ", ".join(splits))
+            ds = splits[cfg.dataset_split]
         elif os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json")):
             ds = datasets.load_from_disk(name)
         else:
@@ -230,8 +250,7 @@ def _load_dataset(cfg: DataConfig) -> bytes:
     except UsageError:
         raise
     except Exception as error:  # datasets raises many types; the first line says why
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(f"--dataset: cannot load {name!r}: {reason}") from None
+        raise UsageError(f"--dataset: cannot load {name!r}: {_reason(error)}") from None
     if cfg.text_column not in ds.column_names:
         raise UsageError(f"--text-column: {name!r} has no column {cfg.text_column!r}; columns: "
                          + ", ".join(ds.column_names))
@@ -284,7 +303,7 @@ def _byte_split(cfg: DataConfig) -> tuple[torch.Tensor, torch.Tensor, str]:
     if cfg.path == STDLIB:
         return _stdlib_split(cfg)
     if cfg.path is not None:
-        data, source = _read_file(cfg.path), f"file {os.path.abspath(cfg.path)}"
+        data, source = _read_file(cfg.path, cfg.max_bytes), f"file {os.path.abspath(cfg.path)}"
     elif cfg.dataset is not None:
         data, source = _load_dataset(cfg), f"dataset {cfg.dataset}"
         if cfg.dataset_config:

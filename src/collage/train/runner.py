@@ -317,7 +317,7 @@ def _backward(s: Session, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The forward and backward passes of one step: one, or ``--grad-accum`` N on equal
     slices of the batch, each loss the slice's token sum over the whole batch's count, so
     that the gradients add up to the whole batch's mean loss; returns that loss."""
-    if s.ranks.distributed:  # (--grad-accum > 1 is refused with --nproc > 1)
+    if s.ranks.distributed:  # (--grad-accum > 1 is refused with --nproc > 1: config.py)
         loss = rank_loss(s.net, x, y, s.ranks)
         loss.backward()
         return loss
