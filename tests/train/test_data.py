@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -225,6 +226,23 @@ def test_bpe_tokenizer_is_trained_on_the_training_side_and_cached(tmp_path, monk
     monkeypatch.setattr(bpe, "_train", no_training)
     again = load_corpus(cfg)
     assert torch.equal(again.train, corpus.train) and torch.equal(again.val, corpus.val)
+
+
+def test_bpe_says_when_much_of_the_text_is_not_utf8(tmp_path, monkeypatch):
+    """The tokenizer reads text: a Latin-1 file's accented letters all become U+FFFD, one
+    token. Said once, with the count (two per line here); a replacement character the text
+    itself holds is not counted."""
+    pytest.importorskip("tokenizers")
+    monkeypatch.setenv("COLLAGE_CACHE_DIR", str(tmp_path / "cache"))
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\u00e9 cr\u00e8me br\u00fbl\u00e9e\n".encode("latin-1") * 3000)
+    with pytest.warns(UserWarning, match=r"12000 byte sequences of the text are not UTF-8"):
+        load_corpus(DataConfig(path=str(latin1), tokenizer="bpe", vocab_size=512))
+    utf8 = tmp_path / "utf8.txt"
+    utf8.write_text("caf\u00e9 \ufffd cr\u00e8me\n" * 3000, encoding="utf-8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_corpus(DataConfig(path=str(utf8), tokenizer="bpe", vocab_size=512))
 
 
 def test_tokenizer_settings_are_checked():
