@@ -27,11 +27,15 @@ from collage.mcf import (
     fast_two_sum,
     grow,
     mul,
+    round_to,
     split,
     two_prod,
     two_sum,
+    ulp,
 )
+from collage.mcf.blocks import block_scales
 from collage.mcf.formats import format_info
+from collage.optim.rounding import stochastic_round
 
 from . import exact as X
 from .exact import F64, one_torch_thread  # noqa: F401 (autouse fixture)
@@ -451,14 +455,33 @@ def test_grow(dtype):
     assert bounded > 10_000
 
 
+def past_overflow_reference(hi, lo, x):
+    """Where s = RN(hi + x) is not finite and hi, lo, x are: (mask, RN(S), RN(S - RN(S)))
+    for the exact sum S = hi + lo + x (hi + x is exact in float64 there: both within
+    2**26 of the largest value; + lo kept as an exact float64 pair)."""
+    dtype = hi.dtype
+    s, _ = X.ref_two_sum(hi, x)
+    past = X.isfinite(hi) & X.isfinite(lo) & X.isfinite(x) & ~X.isfinite(s)
+    sum_hi, sum_lo = X.two_sum64(torch.where(past, hi.to(F64) + x.to(F64), 0.0),
+                                 torch.where(past, lo.to(F64), 0.0))
+    head = X.round_pair(sum_hi, sum_lo, dtype)
+    rest_hi, rest_lo = X.two_sum64(torch.where(X.isfinite(head), sum_hi - head, 0.0), sum_lo)
+    return past, head, X.round_pair(rest_hi, rest_lo, dtype)
+
+
 def check_grow_chain(hi, lo, x, h2, l2):
-    """grow == two_sum(s, RN(lo + e)) with (s, e) = two_sum(hi, x), every step exact; the
-    result is normalised. Returns (s, t, tail_hi, tail_lo, finite mask)."""
+    """grow == two_sum(s, RN(lo + e)) with (s, e) = two_sum(hi, x), every step exact, where
+    s is finite; where s overflows and the inputs are finite, grow == (RN(S), RN(S - RN(S)))
+    for the exact sum S; the result is normalised. Returns (s, t, tail_hi, tail_lo, mask
+    of the finite lanes of the chain)."""
     dtype = hi.dtype
     s, e = X.ref_two_sum(hi, x)
     tail_hi, tail_lo = X.two_sum64(lo.to(F64), e)  # lo + e, exactly
     t = X.round_pair(tail_hi, tail_lo, dtype)
     h_ref, l_ref = X.ref_two_sum(s.to(dtype), t.to(dtype))  # exact conversions: both representable
+    past, past_hi, past_lo = past_overflow_reference(hi, lo, x)
+    h_ref = torch.where(past, past_hi, h_ref)
+    l_ref = torch.where(past, torch.where(X.isfinite(past_hi), past_lo, 0.0), l_ref)
     X.assert_same(h2, h_ref, "grow: hi'", hi, lo, x)
     fin = X.isfinite(h_ref)
     X.assert_same(
@@ -471,17 +494,18 @@ def check_grow_chain(hi, lo, x, h2, l2):
         signed_zero=False,
     )
     zero = torch.zeros_like(t)
+    chain = fin & ~past
     same = X.pair_equal(
-        torch.where(fin, h2.to(F64), zero),
-        torch.where(fin, l2.to(F64), zero),
-        torch.where(fin, s, zero),
-        torch.where(fin, t, zero),
+        torch.where(chain, h2.to(F64), zero),
+        torch.where(chain, l2.to(F64), zero),
+        torch.where(chain, s, zero),
+        torch.where(chain, t, zero),
     )
     assert bool(same.all()), "grow: hi' + lo' != s + t"
     assert bool(
         ((l2.to(F64).abs() <= X.ulp(h_ref, dtype) / 2) | ~fin).all()
     ), "grow: result not normalised"
-    return s, t, tail_hi, tail_lo, fin
+    return s, t, tail_hi, tail_lo, chain
 
 
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
@@ -962,3 +986,60 @@ def test_mixed_dtypes_are_rejected_with_the_argument_name():
         two_sum(torch.ones(2, dtype=F64), torch.ones(2, dtype=F64))
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         two_sum(a, 1.0)
+
+
+def test_the_other_entry_points_refuse_what_they_cannot_round():
+    """Found by audit (2026-12-07): an integer tensor rounded twice (int64 -> float32 ->
+    bf16: 2**24 + 2**16 + 1 went to 2**24, not 2**24 + 2**17); a bf16 tensor's scales read
+    off float32 bit patterns it does not have; stochastic_round to float32 or float8 (a
+    16-bit bit trick) failed with a shape or kernel error; ulp's bad dtype blamed x."""
+    with pytest.raises(TypeError, match="x must be a floating-point torch.Tensor, got "
+                                        "torch.int64"):
+        round_to(torch.tensor([2**24 + 2**16 + 1]), torch.bfloat16)
+    with pytest.raises(TypeError, match="x must be float32, got torch.bfloat16"):
+        block_scales(torch.ones(4, dtype=torch.bfloat16), 2, 8)
+    for dtype in (torch.float32, torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match="dtype must be torch.bfloat16 or torch.float16"):
+            stochastic_round(torch.ones(4), dtype, torch.Generator().manual_seed(0))
+    with pytest.raises(TypeError, match="^dtype has dtype torch.float64"):
+        ulp(torch.ones(2), torch.float64)
+
+
+def test_combine_keeps_a_negative_zero_and_sums_in_reverse_order():
+    """combine starts from its last component (0.0 + -0.0 was +0.0); its order is the
+    arguments' reversed, so a sum that is not an expansion rounds (the docstring's
+    example: 2**60 + 1 - 2**60 is 0, not 1)."""
+    minus_zero = torch.tensor([-0.0], dtype=torch.bfloat16)
+    assert math.copysign(1.0, float(combine(minus_zero))) == -1.0
+    assert math.copysign(1.0, float(combine(minus_zero, minus_zero))) == -1.0
+    big = torch.tensor([2.0**60])
+    assert float(combine(big, torch.tensor([1.0]), -big)) == 0.0
+
+
+def test_debug_checks_skip_meta_tensors():
+    """A meta tensor has a shape and no values: the precondition check (a host read)
+    cannot run there; it raised 'Tensor.item() cannot be called on meta tensors'."""
+    a = torch.ones(2, dtype=torch.bfloat16, device="meta")
+    with debug_checks():
+        s, e = fast_two_sum(a, a)
+    assert s.device.type == "meta" and s.shape == (2,)
+
+
+@pytest.mark.parametrize(("dtype", "hi", "lo", "x", "want"), [
+    (torch.bfloat16, float(torch.finfo(torch.bfloat16).max), -2.0**118, 2.0**119,
+     (float(torch.finfo(torch.bfloat16).max), 2.0**118)),
+    (torch.float16, 65504.0, -8.0, 16.0, (65504.0, 8.0)),
+    (torch.float8_e4m3fn, 448.0, -16.0, 32.0, (448.0, 16.0)),
+    (torch.float8_e4m3fn, 352.0, -8.0, 120.0, (448.0, 16.0)),
+    (torch.float8_e5m2, 57344.0, -2048.0, 4096.0, (57344.0, 2048.0)),
+], ids=["bf16", "fp16", "e4m3fn", "e4m3fn-352", "e5m2"])
+def test_grow_past_an_overflow_of_hi_plus_x(dtype, hi, lo, x, want):
+    """fl(hi + x) overflows, the whole sum does not: the sum, rounded to nearest, and its
+    exact rest (by hand: e4m3fn's 448 - 16 + 32 = 464 is the tie between 448 and the nan
+    code, to even: 448, rest 16). It gave inf, or nan for e4m3fn."""
+    def t(value: float) -> torch.Tensor:
+        return torch.tensor([value], dtype=F64).to(dtype)
+
+    new_hi, new_lo = grow(t(hi), t(lo), t(x))
+    assert (float(new_hi), float(new_lo)) == want
+    assert hi + lo + x == want[0] + want[1]  # exact here: the pair holds the sum

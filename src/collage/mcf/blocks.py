@@ -48,6 +48,9 @@ def _padded_absmax(mag: torch.Tensor, block: int) -> torch.Tensor:
 def block_scales(x: torch.Tensor, block: int, top: int) -> torch.Tensor:
     """float32 powers of two, one per block of the flattened float32 ``x``, with
     ``2**top <= max|x_block| / s < 2**(top + 1)`` for every block holding a normal number."""
+    if x.dtype != torch.float32:  # (exponent32 reads the float32 bit pattern)
+        raise TypeError(f"block_scales: x must be float32, got {x.dtype}; convert it first "
+                        "(x.float(): exact from bf16 and fp16)")
     mag = x.reshape(-1).abs()
     mag = torch.where(torch.isfinite(mag), mag, torch.zeros_like(mag))
     amax = _padded_absmax(mag, block)

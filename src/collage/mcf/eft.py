@@ -124,7 +124,7 @@ def fast_two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
     factor of two, or z is b rounded), and so is ``b - z`` (Dekker 1971).
     """
     _info_of(("a", a), ("b", b))
-    if _DEBUG:
+    if _DEBUG and a.device.type != "meta" and b.device.type != "meta":  # (no values there)
         wa, wb = a.double(), b.double()  # float8 has no comparisons or isfinite in torch
         bad = (wa.abs() < wb.abs()) & (wa != 0) & torch.isfinite(wa) & torch.isfinite(wb)
         if bool(bad.any()):
@@ -168,12 +168,47 @@ def grow(
     for normalised pairs ``|s| >= |t|`` holds (checked exhaustively for both float8 formats),
     but an unnormalised ``lo`` (e.g. a user-built pair) can break Fast2Sum's precondition;
     three extra operations buy no precondition.
+
+    Overflow: where ``s = fl(hi + x)`` overflows but the whole sum does not (``lo`` of the
+    other sign brings it back: ``grow(448, -16, 32)`` in float8_e4m3fn is 464, which
+    rounds to 448), two_sum's exactness ends; there ``hi' = RN(hi + lo + x)``, the IEEE
+    result of the sum, and ``lo' = RN(hi + lo + x - hi')`` (:func:`_past_overflow`).
     """
     _info_of(("hi", hi), ("lo", lo), ("x", x))
     s, e = two_sum(hi, x)
     t = _add(lo, e)  # the only rounding in grow
     new_hi, new_lo = two_sum(s, t)
+    new_hi, new_lo = _past_overflow(hi, lo, x, s, new_hi, new_lo)
     return new_hi, _zero_unless_finite(new_hi, new_lo)
+
+
+def _past_overflow(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor, s: torch.Tensor,
+                   new_hi: torch.Tensor, new_lo: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """grow's result where ``s = fl(hi + x)`` is not finite and hi, lo, x are: the sum
+    itself, split. Why it is exact: s overflows only where |hi + x| reaches half a spacing
+    past the largest value, so both addends are within 2**(p + 2) of it (p <= 24 bits):
+    ``hi + x`` is exact in float64; ``+ lo`` is rounded to odd there, and rounding a value
+    rounded to odd with 53 >= p + 2 bits to p bits is rounding the exact value (Boldo &
+    Melquiond, 2008), for the head and (its spacing at most 2**(2p + 2) finer) the tail."""
+    wide_hi, wide_lo, wide_x = hi.double(), lo.double(), x.double()
+    past = (torch.isfinite(wide_hi) & torch.isfinite(wide_lo) & torch.isfinite(wide_x)
+            & ~torch.isfinite(s.double()))
+    whole_hi, whole_lo = split(_rounded_to_odd(wide_hi + wide_x, wide_lo), hi.dtype, 2)
+    return torch.where(past, whole_hi, new_hi), torch.where(past, whole_lo, new_lo)
+
+
+def _rounded_to_odd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float64 ``a + b`` rounded to odd: the nearest float64 if exact, else whichever of the
+    two float64 around the sum has an odd last bit (TwoSum's error says which side)."""
+    s = a + b
+    b_virtual = s - a
+    error = (a - (s - b_virtual)) + (b - b_virtual)  # a + b - s, exactly (Knuth)
+    bits = s.view(torch.int64)
+    even = (bits & 1) == 0
+    # one step along the integer view: away from zero where the error has s's sign
+    step = torch.where((error > 0) == (s > 0), 1, -1)
+    return torch.where((error != 0) & even, bits + step, bits).view(torch.float64)
 
 
 def mul(
@@ -231,17 +266,21 @@ def split(x: torch.Tensor, dtype: torch.dtype, n: int = 2) -> tuple[torch.Tensor
 
 
 def combine(*components: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """Sum components into ``dtype``: exact whenever the sum is representable in float64.
+    """Sum components into ``dtype``: exact for the expansions this module makes.
 
-    Components are added smallest first in float64. For non-overlapping expansions of up to
-    48 significant bits (three bf16 or fp16 components, two float32 ones) every partial sum
-    is representable, so the float64 result is exact and a final cast to a narrower ``dtype``
-    rounds once. Non-finite leading components give the IEEE result (the non-finite rule).
+    Components are added in float64 from the last to the first (for an expansion, largest
+    first: smallest first). For non-overlapping expansions of up to 48 significant bits
+    (three bf16 or fp16 components, two float32 ones) every partial sum is representable,
+    so the float64 result is exact and a final cast to a narrower ``dtype`` rounds once.
+    Other components are summed in that order with float64 roundings
+    (``combine(2**60, 1, -2**60)`` is 0). Non-finite leading components give the IEEE
+    result (the non-finite rule); zeros keep IEEE's sign (``-0 + -0`` is -0).
     """
     if not components:
         raise ValueError("combine needs at least one component")
-    total = torch.zeros((), dtype=torch.float64, device=components[0].device)
-    for component in reversed(components):
+    # the last component first, not 0.0 + it: +0 + -0 would lose a -0 (split(-0.0) -> -0)
+    total = components[-1].to(torch.float64)
+    for component in reversed(components[:-1]):
         total = total + component.to(torch.float64)
     if dtype == torch.float64:
         return total

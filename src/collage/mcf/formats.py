@@ -129,10 +129,15 @@ def _round_to_odd_float32(x: torch.Tensor) -> torch.Tensor:
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Round ``x`` to ``dtype`` correctly (to nearest, ties to even) in one rounding.
 
-    Works from any floating dtype. Overflow gives +-inf, or nan for ``float8_e4m3fn`` (see
-    the module docstring); nan stays nan.
+    Works from any floating dtype (an integer tensor is refused: its conversion to a float
+    would round once more). Overflow gives +-inf, or nan for ``float8_e4m3fn`` (see the
+    module docstring); nan stays nan.
     """
     info = format_info(dtype)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point torch.Tensor, got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}; "
+                        "convert it first (an integer's conversion to float rounds too)")
     if x.dtype == dtype:
         return x
     if x.dtype == torch.float64 and dtype != torch.float32:
@@ -162,7 +167,7 @@ def ulp(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     ``ulp(x) = 2**(max(e, emin) - p + 1)`` where ``2**e <= |x| < 2**(e+1)``; for zero it is
     the smallest subnormal; nan for inf and nan. Exact: a power of two in float64.
     """
-    info = format_info(dtype or x.dtype, "x")
+    info = format_info(dtype, "dtype") if dtype is not None else format_info(x.dtype, "x")
     wide = x.to(torch.float64)
     _, exponent = torch.frexp(wide)
     binade = torch.clamp(exponent.to(torch.float64) - 1, min=info.min_exponent)

@@ -23,6 +23,9 @@ def stochastic_round(
     draw ``torch.rand(x.shape)`` from, or those float32 draws already made (the compiled
     path draws outside the compiled region so that the seeded stream is the same).
     """
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"stochastic_round: dtype must be torch.bfloat16 or torch.float16, got "
+                        f"{dtype} (the neighbour is found on the 16-bit integer view)")
     if (dtype == torch.bfloat16 and x.dtype == torch.float32
             and isinstance(randomness, torch.Tensor) and _compiling()):
         return _stochastic_round_bf16(x, randomness.view(x.shape))
