@@ -167,6 +167,10 @@ def test_hf_dataset_errors_say_why(tmp_path):
                          ).save_to_disk(str(saved))
     with pytest.raises(UsageError, match="has no split 'validation'; its splits: train"):
         load_corpus(DataConfig(dataset=str(saved), dataset_split="validation"))
+    single = tmp_path / "single"
+    datasets.Dataset.from_dict({"text": ["a b c " * 100]}).save_to_disk(str(single))
+    with pytest.raises(UsageError, match="is one saved Dataset, without splits"):
+        load_corpus(DataConfig(dataset=str(single), dataset_split="validation"))
 
 
 def test_missing_datasets_package_is_a_usage_error(monkeypatch):

@@ -88,6 +88,18 @@ def test_float32_logits_match_torch_and_float64():
     assert logits.equal(x.detach())  # float32 logits are read, never written
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32])
+def test_narrow_integer_targets_are_the_int64_ones(dtype):
+    """The byte corpus's tokens are uint8 (BPE's int16): the same loss and gradient as the
+    int64 targets, bit for bit (they raised inside gather)."""
+    logits, target = logits_and_target(classes=200)
+    x, y = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    narrow, wide = cross_entropy(x, target.to(dtype)), cross_entropy(y, target)
+    narrow.backward()
+    wide.backward()
+    assert torch.equal(narrow, wide) and torch.equal(x.grad, y.grad)
+
+
 def test_float64_logits_compute_in_float64():
     logits, target = logits_and_target(dtype=torch.float64)
     x = logits.clone().requires_grad_()

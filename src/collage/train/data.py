@@ -244,6 +244,9 @@ def _load_dataset(cfg: DataConfig) -> bytes:
                                  f"{cfg.dataset_split!r}; its splits: " + ", ".join(splits))
             ds = splits[cfg.dataset_split]
         elif os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json")):
+            if cfg.dataset_split != DataConfig.dataset_split:  # (not the default: asked for)
+                raise UsageError(f"--dataset-split {cfg.dataset_split}: {name!r} is one saved "
+                                 "Dataset, without splits; leave --dataset-split out")
             ds = datasets.load_from_disk(name)
         else:
             ds = datasets.load_dataset(name, cfg.dataset_config, split=cfg.dataset_split)

@@ -40,7 +40,9 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: i
     ``target``'s shape. The gradient has the logits' dtype."""
     _check(logits, target, reduction, chunk_elements)
     flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_target = target.reshape(-1)
+    # class indices of a narrower integer type (uint8, int16: the byte corpus's tokens)
+    # widened, exactly, to the int64 that gather takes (they crashed inside gather)
+    flat_target = target.reshape(-1).long()
     loss = _LeanCrossEntropy.apply(flat_logits, flat_target, ignore_index, reduction,
                                    max(1, chunk_elements // max(1, logits.shape[-1])))
     return loss.reshape(target.shape) if reduction == "none" else loss
