@@ -278,7 +278,7 @@ def combine(*components: torch.Tensor, dtype: torch.dtype = torch.float64) -> to
     """
     if not components:
         raise ValueError("combine needs at least one component")
-    # the last component first, not 0.0 + it: +0 + -0 would lose a -0 (split(-0.0) -> -0)
+    # the last component first, not 0.0 + it: +0 + -0 is +0, which would lose a lone -0
     total = components[-1].to(torch.float64)
     for component in reversed(components[:-1]):
         total = total + component.to(torch.float64)
