@@ -162,9 +162,11 @@ static inline __attribute__((always_inline)) void g_split_encode(vf master, vu *
                                                                vu *low) {
     vu bits = u_bits(master);
     *low = bits << 16;
-    /* a NaN master: its top half made quiet, never rounded (split_encode) */
-    vu nan = (vu)((bits & 0x7FFFFFFFu) > 0x7F800000u);
-    vu up = (vu)((bits & 0xFFFFu) > 0x8000u) & ~nan & 0x10000u;
+    /* a NaN master: its top half made quiet, never rounded (split_encode). Both compares
+     * signed, of values below 2**31: x86 before AVX-512 has no unsigned one (a compare of
+     * unsigned vectors costs an xor more on each side) */
+    vu nan = (vu)((vi)(bits & 0x7FFFFFFFu) > 0x7F800000);
+    vu up = (vu)((vi)(bits & 0xFFFFu) > 0x8000) & ~nan & 0x10000u;
     *weight = ((bits & 0xFFFF0000u) | (nan & 0x400000u)) + up;
 }
 
