@@ -86,6 +86,26 @@ def test_bad_hyperparameters(cls, kwargs: dict, message: str) -> None:
         cls(make_mlp().parameters(), **kwargs)
 
 
+def test_a_scheduler_may_write_a_tensor_beside_a_number_in_betas() -> None:
+    """As torch.optim: two tensor betas, then OneCycleLR(cycle_momentum=True) writes
+    (float, tensor) into the group; torch's step takes it, and so does ours, with torch's
+    bits on the foreach path (every step refused it before). The constructor still refuses
+    such a pair (test_bad_hyperparameters)."""
+    weights = {}
+    for name, cls, kwargs in (("torch", torch.optim.AdamW, {}),
+                              ("collage", collage.AdamW, {"strategy": "fp32", "foreach": True})):
+        param = torch.nn.Parameter(torch.linspace(-1, 1, 16))
+        opt = cls([param], lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.999)), **kwargs)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=10)
+        assert [type(b) for b in opt.param_groups[0]["betas"]] == [float, torch.Tensor]
+        for step in range(4):
+            param.grad = torch.linspace(1, -1, 16) * (step + 1)
+            opt.step()
+            schedule.step()
+        weights[name] = param.detach()
+    assert torch.equal(weights["collage"], weights["torch"])
+
+
 def test_wrong_hyperparameter_type() -> None:
     with pytest.raises(TypeError, match="lr must be a number, got str"):
         collage.AdamW(make_mlp().parameters(), lr="1e-3")

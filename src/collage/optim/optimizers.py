@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from .autopilot import Autopilot
 from .base import CollageOptimizer
-from .rules import ADAMW, LION, SGD as SGD_RULE
+from .rules import ADAMW, LION, SGD as SGD_RULE, refuse_mixed_betas
 from .strategies import DEFAULT_STRATEGY
 
 __all__ = ["AdamW", "SGD", "Lion"]
@@ -100,6 +100,7 @@ class AdamW(CollageOptimizer):
         grad_accumulation: str = "plain",
         autopilot: Autopilot | None = None,
     ) -> None:
+        refuse_mixed_betas(betas)
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
                         eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         weight_decay_style=weight_decay_style, maximize=maximize,
@@ -185,6 +186,7 @@ class Lion(CollageOptimizer):
         grad_accumulation: str = "plain",
         autopilot: Autopilot | None = None,
     ) -> None:
+        refuse_mixed_betas(betas)
         # differentiable=False as torch.optim's every optimizer has it (its __setstate__
         # adds it otherwise, so a copy's defaults would differ from the original's)
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,

@@ -32,7 +32,7 @@ import torch
 from .arith import axpy, axpy_
 
 __all__ = ["Rule", "StateSpec", "ADAMW", "SGD", "LION", "RULES", "number", "plain_numbers",
-           "check_betas", "WEIGHT_DECAY_STYLES"]
+           "check_betas", "refuse_mixed_betas", "WEIGHT_DECAY_STYLES"]
 
 #: AdamW's weight-decay styles on the reference path (the research code's): ``compact``
 #: folds ``- lr * wd * w`` into the update; ``torch`` decays the weight before the update,
@@ -131,15 +131,23 @@ def check_betas(betas) -> None:
     """A ValueError unless ``betas`` is a pair of numbers in [0, 1)."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
-        # as torch.optim: one tensor beside a number is a mistake more often than a wish
-        raise ValueError(f"betas must be either both floats or both Tensors, got "
-                         f"({type(betas[0]).__name__}, {type(betas[1]).__name__}): write "
-                         f"both as floats, or both as 0-d tensors")
+    # (a tensor beside a number is refused at construction only: refuse_mixed_betas)
     for index, beta in enumerate(betas):
         value = number(beta, f"betas[{index}]")
         if not 0.0 <= value < 1.0:
             raise ValueError(f"betas[{index}] must be in [0, 1), got {beta}")
+
+
+def refuse_mixed_betas(betas) -> None:
+    """As torch.optim's AdamW and Lion constructors: a tensor beside a number is a mistake
+    more often than a wish. At construction only, as there: a step takes such a pair, and
+    OneCycleLR(cycle_momentum=True) writes one, (float, tensor), into a group made with
+    two tensors (refused at every step before 2026-12-07)."""
+    if (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor)):
+        raise ValueError(f"betas must be either both floats or both Tensors, got "
+                         f"({type(betas[0]).__name__}, {type(betas[1]).__name__}): write "
+                         f"both as floats, or both as 0-d tensors")
 
 
 class Rule:
