@@ -28,7 +28,9 @@ as far below its block's maximum as m's does, squared. q8 resolves ``2**-17`` of
 maximum (e4m3's smallest subnormal over ``2**8``); pair11 resolves ``2**-39`` of v's block
 maximum (e5m2's ``2**-16`` over 256, over ``2**15``), i.e. ``2**-19.5`` in gradient terms. An
 e4m3 pair (12 bits but only ``2**-25`` of the block, ``2**-12.5`` in gradient terms) rounds
-v to zero where m is still resolved, and ``m / (0 + eps)`` is a huge step.
+v to zero where m is still resolved, and ``m / (0 + eps)`` is a huge step. (After a gradient
+spike this still happens: v's block maximum decays 100 times more slowly than m's;
+docs/eight_bit.md, limitations.)
 
 Why stochastic: an EMA ``v <- v + (1 - beta) (x - v)`` with beta = 0.999 adds
 ``0.001 (x - v)``. Rounded to nearest, that is lost whenever it is below half a spacing:
@@ -47,7 +49,9 @@ kernels) and a float64 reference written from the definition (``frexp``, ``floor
 the same uniforms they agree bit for bit on float32 input (``tests/optim/test_eight_bit.py``).
 Uniforms are float32 on a 2**-24 grid (``draws.counter_uniform``): the
 rounding probability is then exact whenever the distance is a multiple of 2**-24 of the
-spacing, which holds for every float32 input (the grid has at most 11 significant bits).
+spacing, which holds for every float32 input above the formats' subnormal ranges (the grid
+has at most 11 significant bits); in them the spacing is fixed and a tiny value is stored
+too large on average (docs/eight_bit.md).
 """
 
 from __future__ import annotations

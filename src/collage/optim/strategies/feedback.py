@@ -1,14 +1,20 @@
 """``feedback`` (ECO, arXiv 2601.22101): bf16 weights and states and nothing else, like
 ``bf16``, but each weight update's rounding error is fed back into the momentum, so that
-the next step adds what this one could not store: small updates are no longer lost on
-average, at no extra memory (8 bytes per parameter).
+the next step adds what this one could not store, at no extra memory (8 bytes per
+parameter). It recovers part of what ``bf16`` loses, not all: the momentum carries the
+error in bf16, which loses much of it where the updates are far below the weight's spacing
+(the study's norm weights: EDQ 0.096 against ``bf16``'s 0.016; 1,000 steps of 1e-4 on
+weights in [1, 1.5]: 32 % of the movement lands, 0.8 % on the reference path, none with
+the learning rate halved every 100 steps; measured by audit, 2026-12-07).
 
 The update lands rounded to nearest; its error ``e = (w * decay + u) - fl(w * decay + u)``
 (exact in float32) goes into the momentum through the rule's :meth:`Rule.feed_back`, the
-inverse of the next update's dependence on the momentum (AdamW: ``m -= e * D / (step_size'
-* beta1)`` with the next step's step size and the current denominator ``D``; SGD: ``buf -=
-e / (lr * momentum)``, Nesterov ``lr * momentum**2``). The momentum then carries the error in
-its bf16 storage: what the feedback itself cannot store is lost, a second-order effect.
+inverse of the next updates' dependence on the momentum (AdamW: ``m -= e * (1 - beta1) * D
+/ (step_size' * beta1)`` with the next step's step size and the current denominator ``D``;
+SGD: ``buf -= e * (1 - momentum) / (lr * momentum)``, Nesterov ``lr * momentum**2``: a change
+of the momentum persists with decay beta1, so the steps that follow add it back
+geometrically). The momentum then carries the error in its bf16 storage: what that storage
+cannot hold is lost (above).
 Rules with a momentum only: AdamW (beta1 > 0) and SGD (momentum > 0).
 """
 

@@ -19,7 +19,7 @@ _SECOND_MOMENT_SALT = 0x2545F491
 
 class Plus8(Plus):
     name = "plus8"
-    summary = ("Collage-light weights; m in 1 byte (e4m3), v in 2 (e4m3 + 8 low bits), "
+    summary = ("Collage-light weights; m in 1 byte (e4m3), v in 2 (e5m2 + 8 low bits), "
                "block-scaled, stochastically rounded (AdamW only)")
     order = 8
     weight_dtypes = (torch.bfloat16,)
