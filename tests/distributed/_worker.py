@@ -4,7 +4,8 @@ Usage::
 
     python _worker.py RANK WORLD INIT_FILE OUT_DIR TASK[:STRATEGY,...] [...]
 
-Tasks: ``ddp``, ``fsdp``, ``fsdp_inner`` (matrices sharded on dimension 1) (train 10 steps, compare with single-process training),
+Tasks: ``ddp``, ``fsdp``, ``fsdp_inner`` (FSDP2 with the matrices sharded on dimension 1)
+(train 10 steps, compare with single-process training),
 ``dcp_save`` (FSDP2: 5 steps, DCP checkpoint, 5 more) and ``dcp_load`` (fresh model, load
 that checkpoint with this world size, sharded under FSDP2 for WORLD > 1, a plain model for
 WORLD == 1, 5 steps; must equal the uninterrupted run). No strategies means all eight.
