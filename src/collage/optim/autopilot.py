@@ -236,23 +236,28 @@ class Pilot:
                              "the ladder it was saved with")
         return self.ladder[self.names.index(name)]
 
-    def move(self, optimizer, param: torch.Tensor, name: str) -> bool:
-        """Put an ``auto`` tensor at rung ``name`` (its state converted exactly, as a
-        promotion converts it); whether it moved."""
+    def move(self, optimizer, param: torch.Tensor, new: Strategy) -> bool:
+        """Put an ``auto`` tensor at rung ``new`` (a loaded state's), as a promotion puts
+        it (:meth:`_convert`); whether it moved."""
         position = optimizer._positions[id(param)]
-        old = self.rung_named(self.strategy_at(AUTO, position), "the tensor")
-        new = self.rung_named(name, "the tensor")
+        old = self.ladder[self.names.index(self.strategy_at(AUTO, position))]
         if new is old:
             return False
-        state = optimizer.state.get(param)
+        self._convert(optimizer, param, optimizer.state.get(param), position, old, new)
+        for book in optimizer._books.values():
+            book.cache = {}  # the plans hold the old states
+        return True
+
+    def _convert(self, optimizer, param: torch.Tensor, state: dict | None, position: int,
+                 old: Strategy, new: Strategy) -> None:
+        """A tensor from rung ``old`` to ``new``: its state converted exactly (none yet:
+        made at ``new`` by its first step), the conversion's writes noted (not an edit),
+        its rung recorded. The caller drops the plans that hold the old state."""
         if state:
             optimizer.state[param] = convert.convert(optimizer.rule, old, new, param, state,
                                                      optimizer.seed, position)
             optimizer._writes.note((param,))
         self.install({position: new.name})
-        for book in optimizer._books.values():
-            book.cache = {}  # the plans hold the old states
-        return True
 
     def install(self, positions: Mapping[int, str]) -> None:
         """Set the rungs of an ``auto`` group's parameters (a loaded state's); the first
@@ -309,14 +314,11 @@ class Pilot:
                 if lost > self.policy.threshold:  # nan (nothing intended): no decision
                     promote.append((group.whole, item, rung, lost))
         metrics: dict[str, float] = {}
-        books, state, writes = optimizer._books, optimizer.state, optimizer._writes
+        books = optimizer._books
         for whole, item, rung, lost in promote:
             old, new = self.ladder[rung], self.ladder[rung + 1]
             # after the step's writes were noted: nothing edited to re-derive
-            state[item.param] = convert.convert(optimizer.rule, old, new, item.param,
-                                                item.state, optimizer.seed, item.position)
-            writes.note((item.param,))
-            self.rungs[item.position] = new.name
+            self._convert(optimizer, item.param, item.state, item.position, old, new)
             books[id(whole)].cache = {}  # the plans hold the old states
             self.decisions.append(Decision(step, item.name, old.name, new.name, lost))
             metrics[f"auto/lost/{item.name}"] = lost

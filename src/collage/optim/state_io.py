@@ -106,8 +106,8 @@ def adopt_rungs(optimizer, state_dict: dict[str, Any]) -> int:
                                     saved_group["params"]):
             saved = state_dict["state"].get(key)
             if isinstance(saved, dict) and RUNG_KEY in saved:
-                optimizer._pilot.rung_named(saved[RUNG_KEY], f"parameter {name!r}")
-                moved += optimizer._pilot.move(optimizer, param, saved[RUNG_KEY])
+                rung = optimizer._pilot.rung_named(saved[RUNG_KEY], f"parameter {name!r}")
+                moved += optimizer._pilot.move(optimizer, param, rung)
     return moved
 
 
