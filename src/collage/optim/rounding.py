@@ -87,8 +87,6 @@ def _stochastic_round_bf16(x: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
 _LOW_MASK = 0xFFFF
 _HALF = 0x8000
 _QUIET = 0x0040  # bf16's quiet-NaN bit: the top mantissa bit
-_ABS = 0x7FFFFFFF
-_INF = 0x7F800000
 
 
 def split_encode(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +96,7 @@ def split_encode(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bits = master.view(torch.int32)
     top = bits >> 16  # arithmetic shift keeps the sign in the int32, masked below
     low = bits & _LOW_MASK
-    nan = (bits & _ABS) > _INF
+    nan = master.isnan()
     rounded_up = ((low > _HALF) & ~nan).to(torch.int32)
     weight_bits = torch.where(nan, top | _QUIET, top + rounded_up) & _LOW_MASK
     return _as_int16(weight_bits).view(torch.bfloat16), _as_int16(low)
