@@ -28,9 +28,11 @@ as far below its block's maximum as m's does, squared. q8 resolves ``2**-17`` of
 maximum (e4m3's smallest subnormal over ``2**8``); pair11 resolves ``2**-39`` of v's block
 maximum (e5m2's ``2**-16`` over 256, over ``2**15``), i.e. ``2**-19.5`` in gradient terms. An
 e4m3 pair (12 bits but only ``2**-25`` of the block, ``2**-12.5`` in gradient terms) rounds
-v to zero where m is still resolved, and ``m / (0 + eps)`` is a huge step. (After a gradient
-spike this still happens: v's block maximum decays 100 times more slowly than m's;
-docs/eight_bit.md, limitations.)
+v to zero where m is still resolved, and ``m / (0 + eps)`` is a huge step. After a gradient
+spike v's block maximum decays 100 times more slowly than m's, and a neighbour's v falls
+below even pair11's range: so a positive x is never stored below pair11's smallest value
+(``2**-24 * s``), on both encoders; a spike damps its block instead of throwing it
+(docs/eight_bit.md, limitations).
 
 Why stochastic: an EMA ``v <- v + (1 - beta) (x - v)`` with beta = 0.999 adds
 ``0.001 (x - v)``. Rounded to nearest, that is lost whenever it is below half a spacing:
@@ -41,8 +43,9 @@ rounding lands each increment in expectation; the EMA itself averages the roundi
 
 Non-finite rule: a non-finite value (or a negative one in pair11) encodes as nan (``h``
 nan, ``l`` 0), like ``collage.mcf.round_to`` does for e4m3fn overflow; it does not affect
-its block's scale. Subnormal e4m3 codes are used as is: below ``2**-6 * s`` the spacing is
-fixed (``2**-9 * s``; pair11: ``2**-17 * s``), and stochastic rounding still keeps the mean.
+its block's scale. Subnormal codes are used as is: below ``2**-6 * s`` (e4m3) the spacing
+is fixed (``2**-9 * s``; pair11: ``2**-24 * s`` below ``2**-14 * s``), and stochastic
+rounding still keeps the mean, except under pair11's smallest value (above).
 
 Each format has a float32 implementation (integer bit operations, compiles inside the fused
 kernels) and a float64 reference written from the definition (``frexp``, ``floor``); given
@@ -50,7 +53,7 @@ the same uniforms they agree bit for bit on float32 input (``tests/optim/test_ei
 Uniforms are float32 on a 2**-24 grid (``draws.counter_uniform``): the
 rounding probability is then exact whenever the distance is a multiple of 2**-24 of the
 spacing, which holds for every float32 input above the formats' subnormal ranges (the grid
-has at most 11 significant bits); in them the spacing is fixed and a tiny value is stored
+has at most 11 significant bits); in q8's the spacing is fixed and a tiny value is stored
 too large on average (docs/eight_bit.md).
 """
 
@@ -90,6 +93,9 @@ LO_DTYPE = torch.uint8  # pair11 trailing bits
 _E4M3 = (3, -6, 7)
 _E5M2 = (2, -14, 14)
 _LO_BITS = 8
+# pair11's smallest positive value over its block scale: one unit of l under h = 0
+# (e5m2's smallest subnormal 2**-16, over 2**8). A positive v is never stored below it.
+_SMALLEST_PAIR11 = 2.0 ** (_E5M2[1] - _E5M2[0] - _LO_BITS)
 
 
 def n_blocks(numel: int) -> int:
@@ -143,6 +149,7 @@ def encode_pair11(x: torch.Tensor, u: torch.Tensor
     valid = torch.isfinite(y) & (y >= 0)
     y = torch.where(valid, y, torch.zeros_like(y))
     value = _stochastic_grid32(y, _spacing32(y, _E5M2, _LO_BITS), u.reshape(-1))  # 11 bits
+    value = torch.where(valid & (flat > 0), value.clamp(min=_SMALLEST_PAIR11), value)
     spacing = _spacing32(value, _E5M2, 0)  # of value's binade: a carry to 2**k gives l = 0
     hi = torch.floor(value / spacing) * spacing
     lo = (value - hi) / spacing * (1 << _LO_BITS)  # exact integer in [0, 255]
@@ -199,6 +206,8 @@ def encode_pair11_reference(x: torch.Tensor, u: torch.Tensor):
     y = torch.where(valid, y, torch.zeros_like(y))
     fine = _spacing64(y, _E5M2, _LO_BITS)
     value = _round_up(y / fine, u.reshape(-1)) * fine
+    positive = valid & (x.reshape(-1) > 0)
+    value = torch.where(positive, value.clamp(min=_SMALLEST_PAIR11), value)
     spacing = _spacing64(value, _E5M2, 0)
     hi = torch.floor(value / spacing) * spacing
     lo = (value - hi) / spacing * 2**_LO_BITS
