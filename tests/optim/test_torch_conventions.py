@@ -664,6 +664,32 @@ def test_item9_hooks_see_and_change_the_whole_state(rule):
     assert float(opt.state[p]["step"]) == 7.0
 
 
+@pytest.mark.parametrize("rule", RULES)
+def test_state_dict_post_hooks_see_and_shape_the_finished_dict(rule):
+    """As torch.optim's: the state-dict post-hooks run last, on the dict as it will be
+    returned (collage's own ``"collage"`` entry included), and what a hook returns is what
+    ``state_dict()`` returns. They used to run inside torch's part, before collage added its
+    entry, so a hook could not remove it and a hook that wrapped the dict made
+    ``state_dict()`` fail with a bare KeyError (found by audit, 2026-12-07)."""
+    _, opt = _trained(rule)
+    seen = {}
+
+    def strip(optimizer, state_dict):
+        seen["keys"] = sorted(state_dict)
+        return {k: state_dict[k] for k in ("state", "param_groups")}
+
+    handle = opt.register_state_dict_post_hook(strip)
+    assert sorted(opt.state_dict()) == ["param_groups", "state"]
+    assert seen["keys"] == ["collage", "param_groups", "state"]
+    handle.remove()
+    opt.register_state_dict_post_hook(lambda optimizer, sd: {"optimizer": sd, "format": 2})
+    wrapped = opt.state_dict()
+    assert wrapped["format"] == 2 and "collage" in wrapped["optimizer"]
+    fresh = _make(rule, [_param(seed=1)])
+    fresh.load_state_dict(wrapped["optimizer"])  # the wrapped dict is the complete one
+    assert fresh.state_dict()["collage"] == wrapped["optimizer"]["collage"]
+
+
 # ----------------------------------------------------------------------------------------
 # state dicts: deterministic, older, incomplete (item 10)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -298,7 +299,12 @@ class CollageOptimizer(Optimizer):
         admission.check_membership(self)
         admission.convert_strategies(self)  # the saved states are those of the saved strategies
         stepping.rederive_pending(self)  # ... and describe the weights as edited (edits.py)
-        sd = super().state_dict()
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = OrderedDict()  # they run on the finished dict
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
         # a parameter whose step was refused before its state was made (a non-finite
         # gradient at the first step) has an empty state: saved as none, as torch.optim's
         # (whose state entries are made by the step that fills them)
@@ -311,6 +317,10 @@ class CollageOptimizer(Optimizer):
             "seed": self.seed,  # keys the counter-based stochastic-rounding draws
             "autopilot": [list(d) for d in self._pilot.decisions],  # (rungs: the layouts)
         }
+        for hook in post_hooks.values():  # as torch.optim's: last, and what one returns is kept
+            returned = hook(self, sd)
+            if returned is not None:
+                sd = returned
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
