@@ -354,7 +354,8 @@ def test_a_rung_the_rule_cannot_step_is_refused():
 def test_auto_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="cannot step in backward"):
         collage.AdamW(_model().parameters(), strategy=AUTO, step_in_backward=True)
-    with pytest.raises(TypeError, match="needs bfloat16 or float16 weights"):
+    with pytest.raises(TypeError, match=r"strategy 'auto' \(at its rung 'bf16'\) needs "
+                                        "bfloat16 or float16 weights"):
         collage.AdamW(_model().float().parameters(), strategy=AUTO)
     with pytest.raises(ValueError, match="'auto' cannot be capturable"):
         collage.AdamW(_model().parameters(), strategy=AUTO, capturable=True)

@@ -203,7 +203,7 @@ class Pilot:
     def check_weights(self, names: Sequence[str], params: Sequence[torch.Tensor]) -> None:
         for name, param in zip(names, params):
             for strategy in self.ladder:
-                check_weight(strategy, param, name)
+                check_weight(strategy, param, name, asked=AUTO)
 
     # ------------------------------------------------------------------ strategies
 

@@ -65,8 +65,11 @@ def get_strategy(name: object) -> Strategy:
     return _BY_NAME[name]
 
 
-def check_weight(strategy: Strategy, param: torch.Tensor, name: str) -> None:
-    """Raise a TypeError naming the parameter, the strategy and the fix on a dtype mismatch."""
+def check_weight(strategy: Strategy, param: torch.Tensor, name: str,
+                 asked: str | None = None) -> None:
+    """Raise a TypeError naming the parameter, the strategy and the fix on a dtype mismatch.
+    ``asked``: the strategy the user named, where ``strategy`` is one of its rungs
+    (``"auto"``)."""
     if param.dtype in strategy.weight_dtypes:
         return
     accepted = " or ".join(str(d).replace("torch.", "") for d in strategy.weight_dtypes)
@@ -79,7 +82,7 @@ def check_weight(strategy: Strategy, param: torch.Tensor, name: str) -> None:
                f"{have} weights, or convert the model with model.float()")
     else:
         fix = f"convert the parameter to {accepted}, or pick another strategy"
-    raise TypeError(
-        f"parameter {name!r} is {have} but strategy {strategy.name!r} needs {accepted} "
-        f"weights: {fix}"
-    )
+    named = (repr(strategy.name) if asked is None
+             else f"{asked!r} (at its rung {strategy.name!r})")
+    raise TypeError(f"parameter {name!r} is {have} but strategy {named} needs {accepted} "
+                    f"weights: {fix}")
