@@ -70,9 +70,13 @@ def reference_step(
     want_intended: bool = False,
 ) -> torch.Tensor | None:
     """One reference step (``c``: ``rule.reference_coefficients``). ``grad`` is in the
-    states' dtype. Returns the raw update in float64 when asked."""
+    states' dtype. Returns the intended update in float64 when asked: the raw update, and
+    under the ``torch`` and ``HF`` weight-decay styles the decay applied beside it (before
+    it: ``-lr_wd W``; after it: ``-lr_wd (W + raw)``), so that the metrics compare the
+    whole intended change with the whole landed one."""
     style = c.get("weight_decay_style", "compact")
-    decays = c.get("weight_decay", 0.0) > 0.0
+    decays = c.get("weight_decay", 0.0) > 0.0 and style in ("torch", "HF")
+    before = represented_value(strategy, param, state) if want_intended and decays else None
     if decays and style == "torch":
         strategy.reference_decay(param, state, -c["lr_wd"])
     raw = strategy.reference_update(rule, param, grad, state, c, draws)
@@ -80,7 +84,14 @@ def reference_step(
     strategy.feed_back(rule, param, state, landed, c)
     if decays and style == "HF":
         strategy.reference_decay(param, state, -c["lr_wd"])
-    return raw.double() if want_intended else None
+    if not want_intended:
+        return None
+    intended = raw.double()
+    if before is None:
+        return intended
+    if style == "HF":
+        return intended - c["lr_wd"] * (before + intended)
+    return intended - c["lr_wd"] * before
 
 
 def represented_value(strategy: Strategy, param: torch.Tensor, state: dict) -> torch.Tensor:
