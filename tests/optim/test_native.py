@@ -91,6 +91,11 @@ CASES = (
     Case("lean_lerp_ge_half_maximize", {"lr": 0.1, "betas": (0.3, 0.5), "weight_decay": 0.01,
                                         "maximize": True}, data="lean"),
     Case("lean_bias_correction_one", {"lr": 1e-2, "betas": (0.9, 0.0)}, data="lean"),
+    # lr = 0 (a linear warm-up's first step): the step size and the decay are -0.0 and
+    # 1.0, so a zero weight keeps the sign IEEE gives it (-0 + -0 = -0); a vector broadcast
+    # written as 0 + x made the -0.0 step size +0.0 (found by audit, 2026-12-07)
+    Case("lr_zero", {"lr": 0.0, "betas": (0.9, 0.999), "weight_decay": 0.1}),
+    Case("lean_lr_zero", {"lr": 0.0, "betas": (0.9, 0.999), "weight_decay": 0.1}, data="lean"),
 )
 
 #: many small tensors, tails of every length, one larger (several vectors and a tail)
@@ -309,8 +314,13 @@ def test_other_builds_give_the_same_bits(backend_lib) -> None:
     every strategy: hard values (zeros, subnormals, inf and nan gradients and weights),
     tails shorter than every vector width, a GradScaler scale."""
     other = backend_lib
-    coeffs = RULE.coefficients({"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8,
-                                "weight_decay": 0.1}, 2)
+    for lr in (1e-2, 0.0):  # 0.0: zero weights keep their signs (the lr_zero case)
+        coeffs = RULE.coefficients({"lr": lr, "betas": (0.9, 0.99), "eps": 1e-8,
+                                    "weight_decay": 0.1}, 2)
+        _same_bits_as_the_default(other, coeffs)
+
+
+def _same_bits_as_the_default(other, coeffs) -> None:
     for strategy in STRATEGIES:
         outputs = []
         for lib in (None, other):

@@ -141,7 +141,10 @@ static inline __attribute__((always_inline)) int v_count(vi m) {
     return n;
 }
 
-static inline vf v_splat(float x) { return (vf){0} + x; }
+/* x in every lane. As x - 0, not 0 + x: x - (+0) is x for every x, but (+0) + (-0) is +0,
+ * which turned a -0.0 coefficient (lr = 0's step size) into +0.0 and flipped the sign of
+ * the zero weights it stepped (found by audit, 2026-12-07) */
+static inline vf v_splat(float x) { return x - (vf){0}; }
 static inline vu u_splat(uint32_t x) { return (vu){0} + x; }
 static inline vf f_bits(vu u) { return (vf)u; }
 static inline vu u_bits(vf f) { return (vu)f; }
