@@ -93,6 +93,15 @@ def check_key_mismatch_is_detected(rank: int) -> None:
         assert "keys differ across ranks" in str(exc), exc
     else:
         raise AssertionError("mismatched keys were not detected")
+    # the refusal reduced nothing, so the stats are not marked reduced: after a reset and
+    # the same keys on every rank, reduce_ works (it used to say "already reduced")
+    try:
+        stats.add(["x"], u.intended, u.before, u.after)
+    except RuntimeError as exc:
+        raise AssertionError("a refused reduce_ marked the stats reduced") from exc
+    stats.reset()
+    stats.add([""], u.intended, u.before, u.after)
+    stats.reduce_(check_keys=True)
 
 
 def main(rank: int, world: int, init_file: str) -> None:

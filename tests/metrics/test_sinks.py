@@ -111,8 +111,27 @@ def test_csv_append_keeps_existing_header(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("cls", [CSVWriter, JSONLinesWriter])
-def test_step_is_a_reserved_name(tmp_path: Path, cls: type) -> None:
+@pytest.mark.parametrize("header", ["edq\n0.5\n", "edq,step\n0.5,1\n"])
+def test_csv_append_refuses_a_file_it_did_not_write(tmp_path: Path, header: str) -> None:
+    """A header without ``step`` first: its rows would not line up with ours (an audit found
+    ``edq\\n0.5\\n7,0.9`` written, 2026-12-07). Refused, and the file left as it was."""
+    path = tmp_path / "m.csv"
+    path.write_text(header)
+    with pytest.raises(ValueError, match="does not start with the 'step' column"):
+        CSVWriter(path, append=True)
+    assert path.read_text() == header
+
+
+def _fake_tensorboard(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = _FakeSummaryWriter  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+
+
+@pytest.mark.parametrize("cls", [CSVWriter, JSONLinesWriter, TensorBoardWriter])
+def test_step_is_a_reserved_name(tmp_path: Path, cls: type,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_tensorboard(monkeypatch)
     with cls(tmp_path / "m.out") as sink:
         with pytest.raises(ValueError, match="reserved"):
             sink(0, {"step": 1.0})
@@ -149,9 +168,7 @@ class _FakeSummaryWriter:
 def test_tensorboard_writes_scalars_and_flushes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fake = types.ModuleType("torch.utils.tensorboard")
-    fake.SummaryWriter = _FakeSummaryWriter  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    _fake_tensorboard(monkeypatch)
     with TensorBoardWriter(tmp_path / "tb", flush_secs=5) as sink:
         sink(7, {"edq": 0.9, "edq/group0": 1.0})
     writer = _FakeSummaryWriter.instances[-1]

@@ -90,7 +90,8 @@ class CSVWriter(_Sink):
     new columns; rows missing a known key get an empty cell too. Rewrites cost O(file size)
     but only happen when the key set grows, normally within the first logging step. Values
     are written with full float precision (``nan``/``inf`` as such). ``append=True``
-    continues an existing file, keeping its header.
+    continues an existing file, keeping its header; a file whose header does not start with
+    ``step`` (not written by this class) is refused.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, append: bool = False) -> None:
@@ -99,7 +100,13 @@ class CSVWriter(_Sink):
         if append and self.path.exists() and self.path.stat().st_size > 0:
             with open(self.path, newline="", encoding="utf-8") as f:
                 header = next(csv.reader(f), [_STEP])
-            self._columns = header if header[:1] == [_STEP] else [_STEP, *header]
+            if header[:1] != [_STEP] or header.count(_STEP) != 1:
+                raise ValueError(
+                    f"CSVWriter({str(self.path)!r}, append=True): the file's header "
+                    f"{header} does not start with the {_STEP!r} column, so it was not "
+                    "written by CSVWriter and its rows would not line up: append to a file "
+                    "CSVWriter wrote, or pass append=False to start it anew")
+            self._columns = header
             self._file = open(self.path, "a", newline="", encoding="utf-8")
         else:
             self._file = open(self.path, "w", newline="", encoding="utf-8")
@@ -168,6 +175,7 @@ class TensorBoardWriter(_Sink):
         self._writer = SummaryWriter(log_dir=str(self.log_dir), **kwargs)
 
     def __call__(self, step: int, metrics: Mapping[str, float]) -> None:
+        _check_metrics(metrics)
         for name, value in metrics.items():
             self._writer.add_scalar(name, float(value), global_step=int(step))
         self._writer.flush()

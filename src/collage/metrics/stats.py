@@ -402,16 +402,19 @@ class UpdateStats:
         """
         if self._reduced:
             raise RuntimeError("UpdateStats was already reduced; call reset() first")
-        self._reduced = True
         dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()):
-            return
+        if dist.is_available() and dist.is_initialized():
+            self._all_reduce(group, check_keys)
+        self._reduced = True  # only now: a refused key check leaves the local sums as local
+
+    def _all_reduce(self, group: object | None, check_keys: bool) -> None:
         keys = self.keys()
         if check_keys:
             _check_same_keys(keys, group)
         if not keys:
             return
         stacked = self._stacked(keys)
+        dist = torch.distributed
         dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)  # type: ignore[arg-type]
         for key, row in zip(keys, stacked.unbind(0)):
             self._sums[key] = row.to(self._sums[key].device)
