@@ -232,15 +232,17 @@ def _step_items(optimizer, cycle: Cycle, index: int, group: dict, items: list) -
             plans.pop(next(iter(plans)))
         cache = plans[key] = {}
     ready = dispatch.prepare(group_step(optimizer, index, group, items, cycle.stats, cache))
-    strategy = get_strategy(group["strategy"])
-    again = optimizer._writes.rederive_edited(
-        strategy, items, same_pointers=ready.plan_grads is not None)
+    strategy, writes = get_strategy(group["strategy"]), optimizer._writes
+    params = [item.param for item in items]
+    again = writes.rederive_edited(strategy, items, same_pointers=ready.plan_grads is not None)
+    snapshot = writes.siblings_before(params)  # (views of one storage: edits.py)
     book.path = dispatch.run(ready)
     if hides_weight(strategy):
         if ready.by_plan and not again:
-            optimizer._writes.bumped(items)  # (dispatch moved their counters)
+            writes.bumped(items)  # (dispatch moved their counters)
         else:
-            optimizer._writes.note(item.param for item in items)
+            writes.note(params)
+    writes.siblings_after(snapshot, params)
     cycle.stepped.update(key)
 
 

@@ -30,6 +30,15 @@ detached alias of each weight's data: no copy while the weight keeps its storage
 storage of a replaced weight stays alive until the next step looks at it, then is let go).
 Equal bits: the components are kept; other values: an edit, as above.
 
+Parameters that are views of one storage (a flat buffer's slices, a fused QKV weight cut
+in three) may share one version counter: a write to one moves the others'. So the log
+records which parameters share a storage (when it records their marks), and around the
+optimizer's own writes to such parameters (:meth:`WriteLog.siblings_before` and
+:meth:`WriteLog.siblings_after`) it moves each sharer's mark by what those writes moved its
+counter: never read as an edit, whichever of them were written, in whatever order (the
+hooks of a step in backward step them one bucket at a time). A user's write to one view
+between steps is still an edit of every view whose counter it moves: those are re-derived.
+
 In place, so the native and Triton plans (which check data pointers) stay valid and read
 the new values. Strategies with nothing beside the weight are not walked at all. What is
 not seen (a write through ``.data``, which has its own version counter, or through another
@@ -38,6 +47,7 @@ library's view of the memory) is in ``docs/reliability.md``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from operator import attrgetter, itemgetter
 
@@ -52,6 +62,10 @@ __all__ = ["WriteLog", "hides_weight", "rederive"]
 _HIDDEN_ROLES = frozenset({"master", "low", "compensation"})
 
 Mark = tuple[int, int]
+#: a storage, for telling which parameters share one: (device, the storage's data pointer)
+StorageKey = tuple[str, int]
+#: what :meth:`WriteLog.siblings_before` read: the sharers, and their counters then
+Snapshot = tuple[list[torch.Tensor], list[int]]
 
 _VERSION = attrgetter("_version")
 _VERSION_OF_MARK = itemgetter(0)
@@ -114,7 +128,7 @@ def rederive(strategy: Strategy, param: torch.Tensor, state: dict) -> None:
 class WriteLog:
     """Per parameter (by identity), the mark the optimizer's last write left."""
 
-    __slots__ = ("_left", "_kept", "_bumps", "_data")
+    __slots__ = ("_left", "_kept", "_bumps", "_data", "_storage_of", "_sharers", "_shared")
 
     def __init__(self) -> None:
         self._left: dict[int, Mark] = {}
@@ -130,6 +144,12 @@ class WriteLog:
         # :meth:`_versions_kept` last found equal to their marks; emptied whenever a mark
         # changes, so that equal versions still mean "as the optimizer left them"
         self._kept: dict[int, tuple[list[int], list[int]]] = {}
+        #: per parameter, its storage; per storage, the parameters on it (weakly: a
+        #: parameter dropped from the optimizer must not be kept alive); the parameters
+        #: that share their storage with another one
+        self._storage_of: dict[int, StorageKey] = {}
+        self._sharers: dict[StorageKey, dict[int, weakref.ref]] = {}
+        self._shared: set[int] = set()
 
     def forget(self) -> None:
         """Trust the weights as they are (a fresh ``load_state_dict``: the loaded states
@@ -145,10 +165,83 @@ class WriteLog:
         left, data = self._left, self._data
         for param in params:
             key, mark = id(param), _mark(param)
+            known = left.get(key)
+            if known is None or known[1] != mark[1]:  # new, or new data: which storage
+                self._place(param)
             left[key] = mark
             alias = data.get(key)
             if alias is None or alias.data_ptr() != mark[1]:  # (an alias per storage)
                 data[key] = local(param).detach()
+        self._kept.clear()
+
+    def _place(self, param: torch.Tensor) -> None:
+        """Record ``param``'s storage, and which parameters share one."""
+        key, data = id(param), local(param)
+        storage = (str(data.device), data.untyped_storage().data_ptr())
+        old = self._storage_of.get(key)
+        if old == storage:
+            return
+        if old is not None:
+            self._sharers.get(old, {}).pop(key, None)
+            self._recount(old)
+        if storage[1] == 0:  # no memory (meta, empty): shares nothing
+            self._storage_of.pop(key, None)
+            self._shared.discard(key)
+            return
+        self._storage_of[key] = storage
+        self._sharers.setdefault(storage, {})[key] = weakref.ref(param)
+        self._recount(storage)
+
+    def _recount(self, storage: StorageKey) -> None:
+        members = self._sharers.get(storage, {})
+        live = {key: ref for key, ref in members.items() if ref() is not None}
+        if len(live) > 1:
+            self._sharers[storage] = live
+            self._shared.update(live)
+            return
+        self._shared.difference_update(members)
+        if live:
+            self._sharers[storage] = live
+        else:
+            self._sharers.pop(storage, None)
+
+    def siblings_before(self, params: Iterable[torch.Tensor]) -> Snapshot | None:
+        """Before the optimizer writes ``params``: the counters of every parameter that
+        shares a storage with one of them (None, at the cost of one set operation, where
+        none does: the common case)."""
+        if not self._shared:
+            return None
+        touched = self._shared.intersection(map(id, params))
+        if not touched:
+            return None
+        sharers: dict[int, torch.Tensor] = {}
+        for key in touched:
+            for other, ref in self._sharers.get(self._storage_of[key], {}).items():
+                param = ref()
+                if param is not None:
+                    sharers[other] = param
+        found = list(sharers.values())
+        return found, [_mark(param)[0] for param in found]
+
+    def siblings_after(self, snapshot: Snapshot | None,
+                       written: Iterable[torch.Tensor]) -> None:
+        """After the optimizer's writes (and their :meth:`note` or :meth:`bumped`): each
+        sharer's mark moves by what those writes moved its counter. A written parameter
+        was checked before them, so its mark is its counter now; another keeps whatever
+        an edit of it moved beyond its mark before."""
+        if snapshot is None:
+            return
+        self._apply_bumps()
+        written_ids = set(map(id, written))
+        for param, before in zip(*snapshot):
+            key = id(param)
+            mark, now = self._left.get(key), _mark(param)
+            if mark is None:
+                continue
+            if key in written_ids:
+                self._left[key] = now
+            else:
+                self._left[key] = (mark[0] + now[0] - before, mark[1])
         self._kept.clear()
 
     def bumped(self, items: Sequence[Item]) -> None:
@@ -204,6 +297,7 @@ class WriteLog:
             return True
         self._left[key] = mark
         self._data[key] = new.detach()
+        self._place(param)
         self._kept.clear()
         return False
 
@@ -216,8 +310,10 @@ class WriteLog:
             return
         for param, state in states:
             if state and self.edited(param):
+                snapshot = self.siblings_before((param,))
                 rederive(strategy, param, state)
                 self.note((param,))
+                self.siblings_after(snapshot, (param,))
 
     def _versions_kept(self, items: Sequence[Item]) -> bool:
         """Whether every item's parameter is a plain tensor with a recorded mark whose
@@ -264,7 +360,8 @@ class WriteLog:
         for item in items:
             param = item.param
             known = get(id(param))
-            if known is None:
+            if known is None:  # not written by us yet: which storage, before we write it
+                self._place(param)
                 continue
             if param.__class__ in plain:
                 moved = known[0] != param._version or (
@@ -273,6 +370,8 @@ class WriteLog:
             else:
                 moved = self._moved(param, known, _sharded_mark(param))
             if moved and item.state:
+                snapshot = self.siblings_before((param,))  # (the write moves theirs too)
                 rederive(strategy, param, item.state)
+                self.siblings_after(snapshot, ())
                 found = True
         return found

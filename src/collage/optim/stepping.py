@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Iterator
 
 import torch
 
@@ -154,6 +155,8 @@ def step_planned(optimizer, batches: list[Batch], planned: list) -> bool:
     check = optimizer.nonfinite != "ignore" and not (
         proof is not None and proof.spares_check_of(list(itertools.chain.from_iterable(
             map(ITEM_GRAD, items) for _, _, items in batches))))
+    writes = optimizer._writes
+    snapshot = writes.siblings_before(_params(batches))  # (views of one storage: edits.py)
     stepped = dispatch.step_native_plans(planned, check)
     if stepped is None:  # a step counter was changed since: the general way reads them
         return False
@@ -162,14 +165,20 @@ def step_planned(optimizer, batches: list[Batch], planned: list) -> bool:
     if not stepped:
         report_nonfinite(optimizer, batches)  # raises, or counts the skipped step
         return True
-    books, writes = optimizer._books, optimizer._writes
+    books = optimizer._books
     for (_, group, _), ready in zip(batches, planned):
         if ready is not None:
             books[id(owner_of(group))].path = ready.path
             if hides_weight(ready.group.strategy):
                 writes.bumped(ready.group.items)  # (dispatch moved their counters)
+    writes.siblings_after(snapshot, _params(batches))
     optimizer._steps_taken += 1
     return True
+
+
+def _params(batches: list[Batch]) -> Iterator[torch.Tensor]:
+    """Every parameter of the step, lazily: read only where some share a storage."""
+    return (item.param for _, _, items in batches for item in items)
 
 
 def prepare(batches: list[Batch], steps: list[GroupStep], planned: list | None) -> list:
@@ -188,11 +197,13 @@ def land(optimizer, batches: list[Batch], prepared: list, stats: UpdateStats | N
     starts from (``edits.py``); then each group's path runs (``dispatch.run``), what the
     step left in the weights is recorded, and the step counted with its measured sums."""
     rederived = _rederive_edits(optimizer, batches, prepared)
+    snapshot = optimizer._writes.siblings_before(_params(batches))  # (views: edits.py)
     books = optimizer._books
     for group, ready in prepared:
         if ready is not None:
             books[id(owner_of(group))].path = dispatch.run(ready)
     _note_writes(optimizer, batches, prepared, rederived)
+    optimizer._writes.siblings_after(snapshot, _params(batches))
     step = optimizer._steps_taken
     optimizer._steps_taken += 1
     if stats is not None:
