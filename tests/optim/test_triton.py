@@ -643,6 +643,11 @@ def test_a_planned_device_step_runs_the_same_operations_for_3_tensors_as_for_30(
 @pytest.mark.parametrize(("rule_name", "hyper"), [
     ("adamw", {"lr": 3e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}),
     ("adamw", {"lr": 1e-3, "betas": (0.95, 0.95), "eps": 1e-6, "weight_decay": 0.0}),
+    # a tensor lr: step_size and decay in float32 tensor arithmetic on both (torch.optim's
+    # form); the device computed them in float64 (an ulp off in step_size at step 1; found
+    # by audit, 2026-12-07)
+    ("adamw", {"lr": torch.tensor(1e-2), "betas": (0.9, 0.999), "eps": 1e-8,
+               "weight_decay": 0.1}),
     ("lion", {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.01}),
     ("sgd", {"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 1e-4,
              "nesterov": False}),

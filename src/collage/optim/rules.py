@@ -178,6 +178,12 @@ class Rule:
         coefficients)."""
         raise NotImplementedError
 
+    def tensor_lr_coefficients(self, group: Mapping, lr: torch.Tensor, step) -> dict:
+        """The coefficients a tensor learning rate gives otherwise than its float64 value
+        (``step``: a number, or one float64 value per counter), as tensors on ``lr``'s
+        device; none for most rules (they read ``float(lr)``)."""
+        return {}
+
     def fast(self, weight: torch.Tensor, grad: torch.Tensor, states: dict, c: Coeffs):
         raise NotImplementedError
 
@@ -250,6 +256,9 @@ class AdamWRule(Rule):
                                              1 - group["betas"][0]**step))
         return c
 
+    def tensor_lr_coefficients(self, group: Mapping, lr: torch.Tensor, step) -> dict:
+        return tensor_lr_terms(lr, group["weight_decay"], 1 - group["betas"][0]**step)
+
     def fast(self, weight, grad, states, c):
         # The same operations, in the same order, as torch.optim.AdamW's single-tensor path,
         # so the fp32 strategy reproduces it bit for bit.
@@ -317,9 +326,21 @@ def _tensor_lr_coefficients(lr: torch.Tensor, weight_decay: float,
     strategy stays torch's bit for bit with a tensor ``lr`` too. ``lr_wd`` stays float64
     (``Strategy.land``: the digits of a small decay that ``1 - decay`` would lose)."""
     lr = lr.detach().to("cpu").reshape(())
-    out = {"step_size": float(lr / bias_correction1)}
+    return {key: float(value) for key, value
+            in tensor_lr_terms(lr, weight_decay, bias_correction1).items()}
+
+
+def tensor_lr_terms(lr: torch.Tensor, weight_decay: float, bias_correction1
+                    ) -> dict[str, torch.Tensor]:
+    """:func:`_tensor_lr_coefficients`'s terms as tensors, on ``lr``'s device:
+    ``bias_correction1`` a number (the host) or one float64 value per counter (the Triton
+    path's device coefficients). Either way it is first rounded to ``lr``'s dtype, as torch
+    rounds a Python number in an operation with a float32 tensor; then the quotient and the
+    decay are ``lr``'s dtype's operations: the same bits on both paths."""
+    bias = torch.as_tensor(bias_correction1, device=lr.device).to(lr.dtype)
+    out = {"step_size": lr / bias}
     if weight_decay != 0:  # torch decays only then (and 1 - lr * 0 is 1 in any dtype)
-        out["decay"] = float(1 - lr * weight_decay)
+        out["decay"] = 1 - lr * weight_decay
     return out
 
 

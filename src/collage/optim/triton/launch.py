@@ -350,9 +350,13 @@ class DeviceCoefficients:
         device = steps.device
         step = steps.to(torch.float64)
         lr = group.hyper["lr"]
-        if isinstance(lr, torch.Tensor):
-            lr = lr.to(torch.float64) if lr.device == device else float(lr)
-        values = group.rule.step_coefficients(group.hyper, lr, step, next_step=False)
+        if isinstance(lr, torch.Tensor):  # the terms the host computes in lr's dtype, too
+            lr = lr.detach().to(device).reshape(())
+            values = group.rule.step_coefficients(group.hyper, lr.to(torch.float64), step,
+                                                  next_step=False)
+            values.update(group.rule.tensor_lr_coefficients(group.hyper, lr, step))
+        else:
+            values = group.rule.step_coefficients(group.hyper, lr, step, next_step=False)
         for j, key in enumerate(layout.COEFFICIENTS[group.rule.name]):
             value = values[key]
             if isinstance(value, torch.Tensor):
