@@ -39,6 +39,11 @@ def test_quick_is_the_default_and_paper_small_has_both_betas():
          + ", ".join(collage.STRATEGIES)),
         (lambda: RunConfig(strategies=("plus", "nope")), "--strategies: unknown strategy 'nope'"),
         (lambda: RunConfig(strategies=("plus", "plus")), "listed twice"),
+        (lambda: RunConfig(beta2s=(0.95, 0.95)), "--beta2s: a beta2 is listed twice"),
+        (lambda: RunConfig(lrs=(0.002, 0.002)), "--lrs: a learning rate is listed twice"),
+        # two values one label: their runs shared a directory (audit, 2026-12-07)
+        (lambda: RunConfig(lrs=(0.002, 0.0020000001)), "--lrs: two values print as 0.002"),
+        (lambda: RunConfig(beta2s=(0.999, 0.9990000001)), "--beta2s: two values print as"),
         (lambda: ModelConfig(d_model=30, n_heads=4), "--n-heads: 4 heads do not divide d_model 30"),
         (lambda: ModelConfig(family="llama", d_model=36, n_heads=4), "even head size"),
         (lambda: ModelConfig(n_layers=0), "--n-layers: must be positive"),

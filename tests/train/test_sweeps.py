@@ -19,6 +19,7 @@ from collage.train import config as config_module
 from collage.train import runs
 from collage.train.aggregate import pareto_front, records
 from collage.train.compare import compare
+from collage.train.plots import _aligned
 from collage.train.runner import train_strategy
 from collage.train.runs import RESULT_NAME, Run, plan_runs, run_config, run_dir, training_lock
 from collage.train.stats import estimate, paired_t_test
@@ -385,3 +386,23 @@ def test_an_interrupted_comparison_lets_its_children_save_before_stopping_them()
     late = Child(exits_after_s=0.2)  # no grace (the loop's normal end): stopped at once
     compare_module._stop_children({0: late}, grace_s=0.0)
     assert late.terminated
+
+
+def test_seeds_resumed_with_another_eval_every_are_plotted_at_their_common_steps(tmp_path):
+    """Seed 0 validated every 2 steps, seed 1 (added with --resume) every 3: the plots
+    average the seeds only at the steps both have (an audit found a traceback from
+    matplotlib here, report.md left stale, 2026-12-07; in the other order the seeds' losses
+    at different steps were averaged)."""
+    first = micro_config(run={"strategies": ("fp32",), "steps": 6, "eval_every": 2,
+                              "isolate": False, "resume": True})
+    compare(first, str(tmp_path), log=None)
+    second = micro_config(run={"strategies": ("fp32",), "steps": 6, "eval_every": 3,
+                               "seeds": 2, "isolate": False, "resume": True})
+    compare(second, str(tmp_path), log=None)
+    assert (tmp_path / "loss.png").exists() and "2 seeds" in (tmp_path / "report.md").read_text()
+
+
+def test_aligned_keeps_the_steps_every_history_has():
+    histories = [{"val_step": [2, 4, 6]}, {"val_step": [3, 6]}]
+    assert _aligned(histories, "val_step", [[1.0, 2.0, 3.0], [10.0, 30.0]]) == (
+        [6], [[3.0], [30.0]])

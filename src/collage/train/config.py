@@ -76,6 +76,18 @@ def _fail(section: str, name: str, message: str) -> typing.NoReturn:
     raise UsageError(f"{flag_name(f)}: {message}")
 
 
+def _check_distinct(name: str, what: str, values: tuple[float, ...]) -> None:
+    """Each value once, and no two that print the same: a run's label and its directory
+    name give each with ``:g`` (6 significant digits), so such two would share both."""
+    if len(set(values)) != len(values):
+        _fail("run", name, f"{what} is listed twice")
+    printed = [f"{v:g}" for v in values]
+    if len(set(printed)) != len(printed):
+        same = next(p for p in printed if printed.count(p) > 1)
+        _fail("run", name, f"two values print as {same} (6 significant digits): their runs "
+              "would share a label and a directory; give values that differ in those digits")
+
+
 def _positive(section: str, obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -354,14 +366,14 @@ class RunConfig:
         for b in self.beta2s:
             if not (math.isfinite(b) and 0.0 <= b < 1.0):
                 _fail("run", "beta2s", f"every beta2 must be in [0, 1), got {b}")
+        _check_distinct("beta2s", "a beta2", self.beta2s)
 
     def _check_sweeps(self) -> None:
         """--lrs and --lrs-strategies: positive, finite, distinct, strategies compared."""
         for lr in self.lrs:
             if not (math.isfinite(lr) and lr > 0):
                 _fail("run", "lrs", f"every learning rate must be positive, got {lr}")
-        if len(set(self.lrs)) != len(self.lrs):
-            _fail("run", "lrs", "a learning rate is listed twice")
+        _check_distinct("lrs", "a learning rate", self.lrs)
         if self.lrs_strategies and not self.lrs:
             _fail("run", "lrs_strategies", "names the strategies of --lrs, which is not given")
         for name in self.lrs_strategies:  # one not compared is not run (a preset's list

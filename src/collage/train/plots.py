@@ -103,6 +103,17 @@ def _mean_and_band(series: list[list[float]]) -> tuple[list[float], list[float] 
     return means, half
 
 
+def _aligned(histories: list[dict], steps: str, values: list[list[float]]
+             ) -> tuple[list[float], list[list[float]]]:
+    """The steps every history has under ``steps`` (seeds resumed with another
+    ``--eval-every`` have different ones), and each series' values at those steps only: a
+    mean over seeds is of one step's values."""
+    common = set(histories[0][steps]).intersection(*(h[steps] for h in histories[1:]))
+    x = [step for step in histories[0][steps] if step in common]
+    return x, [[v for step, v in zip(h[steps], series) if step in common]
+               for h, series in zip(histories, values)]
+
+
 def _draw(ax, x: list[float], series: list[list[float]], style: dict[str, Any], **kw) -> None:
     mean, half = _mean_and_band(series)
     ax.plot(x, mean, **style, **kw)
@@ -118,9 +129,9 @@ def _plot_losses(plt, lines: list[_Line], style, out_dir: str) -> str:
     for line in lines:
         hs = line.histories
         train = [_ema(h["train_loss"], 0.9) for h in hs]
-        _draw(ax1, hs[0]["step"], train, style(line), linewidth=1)
-        _draw(ax2, hs[0]["val_step"], [h["val_loss"] for h in hs], style(line), marker=".",
-              linewidth=1)
+        _draw(ax1, *_aligned(hs, "step", train), style(line), linewidth=1)
+        _draw(ax2, *_aligned(hs, "val_step", [h["val_loss"] for h in hs]), style(line),
+              marker=".", linewidth=1)
         shown_train += [v for t in train for v in t]
         shown_val += [v for h in hs for v in h["val_loss"]]
     band = " (mean over seeds, 95 % t band)" if any(len(x.histories) > 1 for x in lines) else ""
@@ -136,8 +147,9 @@ def _plot_edq(plt, lines: list[_Line], style, out_dir: str) -> str:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for line in lines:
         hs = line.histories
-        _draw(ax1, hs[0]["stats_step"], [h["edq"] for h in hs], style(line), linewidth=1)
-        _draw(ax2, hs[0]["stats_step"], [h["imprecision"] for h in hs], style(line),
+        _draw(ax1, *_aligned(hs, "stats_step", [h["edq"] for h in hs]), style(line),
+              linewidth=1)
+        _draw(ax2, *_aligned(hs, "stats_step", [h["imprecision"] for h in hs]), style(line),
               linewidth=1)
     ax1.set(title="effective descent quality (represented weight)", xlabel="step",
             ylabel="EDQ")
