@@ -10,6 +10,7 @@ line, with exit 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -43,13 +44,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a reader that left is caught (below)
+        return code
     except (UsageError, FileNotFoundError, PermissionError, IsADirectoryError) as error:
         print(f"collage {args.command}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"collage {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (`collage ... | head`): stop quietly, as a
+        # Unix tool does; stdout goes to devnull so that Python's flush at exit fails not
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
 
 
 if __name__ == "__main__":

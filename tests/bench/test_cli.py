@@ -265,3 +265,8 @@ def test_bench_flags_are_refused_before_anything_runs(argv, message, capsys, mon
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_min_time_out_of_range_is_refused(capsys):
+    assert main(["bench", "optimizer", "--size", "small", "--min-time", "-3"]) == 2
+    assert "--min-time must be between 0 and 200 seconds, got -3" in capsys.readouterr().err

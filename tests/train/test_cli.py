@@ -47,6 +47,7 @@ from collage.train.models import build_model
         (["compare", "--strategies", "fp32", "bf16", "--lrs", "1e-3", "4e-3",
           "--lrs-strategies", "plus"], "--lrs: none of --lrs-strategies (plus) is compared"),
         (["train", "--data", "EMPTY"], "the training text (0 tokens from file"),
+        (["compare", "--beta2s", "0.95", "0.95"], "--beta2s: a beta2 is listed twice"),
     ],
 )
 def test_bad_input_is_one_line(argv, message, capsys, tmp_path):
@@ -180,3 +181,16 @@ def test_train_nproc_2_matches_one_process_and_resumes(tmp_path):
         assert abs(a - b) <= 1e-4 * abs(b), (losses_two, losses_one)
     weights = torch.load(os.path.join(two, "model_fp32.pt"), weights_only=True)
     assert not any(name.startswith("module.") for name in weights)  # not DDP's wrapper names
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly():
+    """``collage compare --dry-run | head -1``: the pipe closes under the plan's output;
+    the command stops with 141 (128 + SIGPIPE) and no traceback (audit, 2026-12-07). Here
+    the reader closes its end before the command writes (it is still importing), so every
+    write fails, as the late ones do under ``head``."""
+    command = subprocess.Popen([sys.executable, "-m", "collage", "compare", "--preset",
+                                "micro", "--dry-run"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    command.stdout.close()
+    err = command.stderr.read()
+    assert command.wait(timeout=120) == 141 and err == "", err

@@ -260,6 +260,8 @@ def cmd_optimizer(args: argparse.Namespace) -> int:
         raise UsageError("--warmup must be at least 1 (the first step compiles)")
     if args.start_step < 0:
         raise UsageError("--start-step must be at least 0")
+    if not 0 <= args.min_time <= 200:  # (nan fails too)
+        raise UsageError(f"--min-time must be between 0 and 200 seconds, got {args.min_time:g}")
     if args.threads is not None:
         if args.threads < 1:
             raise UsageError("--threads must be at least 1")

@@ -195,7 +195,9 @@ def _write_train_results(config: Config, out: str, result: dict[str, Any], log) 
         state = "finished" if s["completed"] else "stopped (resume with --resume)"
         log(f"{strategy}: {state} at step {s['steps']}/{config.run.steps}; "
             f"val loss {s['final_val_loss']:.4f} (ppl {s['final_val_ppl']:.2f}); "
-            f"{s['tokens_per_s']:,.0f} tokens/s; output in {out}")
+            + (f"{s['tokens_per_s']:,.0f} tokens/s" if math.isfinite(s["tokens_per_s"])
+               else "no step timed (the first steps are not)")
+            + f"; output in {out}")
 
 
 def _full_precision(model: torch.nn.Module, optimizer) -> dict[str, torch.Tensor]:

@@ -221,7 +221,9 @@ def _settings(config: Config, first: dict[str, Any]) -> list[str]:
         f"- run: {r.steps} steps, "
         + (f"seeds {r.seed}-{r.seed + r.seeds - 1}" if r.seeds > 1 else f"seed {r.seed}")
         + f", validation every {r.eval_every} steps on "
-        f"{r.eval_batches} fixed batches, EDQ measured every {r.track_every} steps, device "
+        f"{r.eval_batches} fixed batches, "
+        + (f"EDQ measured every {r.track_every} steps" if r.track_every else "EDQ not measured")
+        + f", device "
         f"{first['device']}, {first['threads']} torch threads per run, "
         + (f"one fresh process per strategy, {first.get('jobs', 1)} at a time"
            if r.isolate else "one process for all strategies"),
