@@ -194,3 +194,11 @@ def test_a_reader_that_leaves_ends_the_command_quietly():
     command.stdout.close()
     err = command.stderr.read()
     assert command.wait(timeout=120) == 141 and err == "", err
+
+
+def test_the_dry_run_names_a_dataset(capsys, tmp_path):
+    """--dataset shows as such in the plan (it said "data: built-in"; audit, 2026-12-07)."""
+    text = tmp_path / "local.txt"
+    text.write_text("some text\n")
+    assert main(["compare", "--preset", "micro", "--dataset", str(text), "--dry-run"]) == 0
+    assert f"data: dataset {text}, tokenizer" in capsys.readouterr().out

@@ -85,3 +85,19 @@ def test_compare_beta2_sweep_and_cli(tmp_path, capsys):
         ("fp32", 0.95), ("bf16", 0.95), ("fp32", 0.999), ("bf16", 0.999)]
     assert records[3]["val_loss_vs_fp32"] == pytest.approx(
         records[3]["final_val_loss"] / records[2]["final_val_loss"] - 1)
+
+
+def test_the_report_names_the_validation_batches_it_used(tmp_path):
+    """--eval-batches 1000 on a text with room for a few: the report says how many batches
+    the validation set has (it said 1000; audit, 2026-12-07)."""
+    text = tmp_path / "short.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 700)  # ~30 kB
+    config = micro_config(data={"path": str(text)},
+                          run={"strategies": ("fp32",), "eval_batches": 1000,
+                               "isolate": False})
+    compare(config, str(tmp_path / "out"), log=None)
+    (record,) = json.loads((tmp_path / "out" / "results.json").read_text())
+    used = record["val_batches"]
+    assert 1 <= used < 1000
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert f"on {used} fixed batches" in report and "on 1000 fixed batches" not in report

@@ -221,7 +221,7 @@ def _settings(config: Config, first: dict[str, Any]) -> list[str]:
         f"- run: {r.steps} steps, "
         + (f"seeds {r.seed}-{r.seed + r.seeds - 1}" if r.seeds > 1 else f"seed {r.seed}")
         + f", validation every {r.eval_every} steps on "
-        f"{r.eval_batches} fixed batches, "
+        f"{first.get('val_batches', r.eval_batches)} fixed batches, "
         + (f"EDQ measured every {r.track_every} steps" if r.track_every else "EDQ not measured")
         + f", device "
         f"{first['device']}, {first['threads']} torch threads per run, "

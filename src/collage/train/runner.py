@@ -450,6 +450,7 @@ def _summary(s: Session, done: int, probe: _StepProbe) -> dict[str, Any]:
         "data_source": s.corpus.source,
         "train_tokens": len(s.corpus.train),
         "val_tokens": len(s.corpus.val),
+        "val_batches": len(s.val_batches),  # --eval-batches, or fewer where the text ends
         "device": str(s.device),
         "threads": torch.get_num_threads(),
         "world_size": s.ranks.world_size,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import Config, ModelConfig
+from .config import Config, DataConfig, ModelConfig
 from .data import vocab_size
 from .models import build_model
 from .runs import Run, plan_runs
@@ -151,6 +151,14 @@ def plan_of(config: Config) -> Plan:
                 BUDGETS.get(config.preset))
 
 
+def _source(data: DataConfig) -> str:
+    """Where the text comes from, as the flags name it."""
+    if data.dataset is not None:
+        return f"dataset {data.dataset}" + (f" ({data.dataset_config})"
+                                            if data.dataset_config else "")
+    return data.path or "built-in"
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as lines of text: what runs, and the time estimate with its arithmetic."""
     c = plan.config
@@ -160,7 +168,7 @@ def format_plan(plan: Plan) -> str:
         f"model: {c.model.family}, {plan.params:,} parameters ({plan.params / 1e6:.1f}M; "
         f"d_model {c.model.d_model}, {c.model.n_layers} layers, {c.model.n_heads} heads, "
         f"context {c.model.context}, vocabulary {vocab_size(c.data):,})",
-        f"data: {c.data.path or 'built-in'}, tokenizer {c.data.tokenizer}; "
+        f"data: {_source(c.data)}, tokenizer {c.data.tokenizer}; "
         f"{c.run.steps} steps x {c.data.batch_size} x {c.model.context} = "
         f"{plan.tokens_per_run:,} tokens per run; {plan.evaluations} evaluations of "
         f"{c.run.eval_batches} batches",
