@@ -88,6 +88,15 @@ def test_table_totals():
     assert "-53.60 GB (-50%)" in table and "-26.80 GB (-25%)" in table
 
 
+def test_a_small_model_s_totals_are_in_a_unit_that_shows_them():
+    """30,240 parameters (the micro preset): 16 B each is 483,840 bytes, shown in kB (every
+    total read 0.00 GB; audit, 2026-12-07); 1.2M parameters in MB."""
+    table = memory_table(30240, ["mixed", "bf16"])
+    assert "total kB" in table and "483.84" in table and "-241.92 kB (-50%)" in table
+    assert "19.20" in memory_table(1.2e6, ["mixed"])  # 16 B x 1.2M = 19.2 MB
+    assert "total MB" in memory_table(1.2e6, ["mixed"])
+
+
 EIGHT_COLLAGE = ("fp32", "mixed", "bf16", "kahan", "stochastic", "light", "plus", "split")
 
 

@@ -281,7 +281,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
         print()
         return 0
     print(f"Persistent memory for {n:,.0f} parameters (gradients {args.grad_dtype}; "
-          f"bytes per parameter; GB = 1e9 bytes; activations not included)")
+          f"bytes per parameter; GB, MB, kB = 1e9, 1e6, 1e3 bytes; activations not "
+          "included)")
     print()
     if chosen:
         print(memory_table(n, chosen, args.grad_dtype))

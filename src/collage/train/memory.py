@@ -198,21 +198,31 @@ def memory_table(n_params: float, strategies: Iterable[str],
                  grad_dtype: str = DEFAULT_GRAD_DTYPE) -> str:
     """A plain-text table of bytes per parameter and totals for ``n_params`` parameters."""
     baseline = bytes_per_param(COMPARED_WITH, grad_dtype).total * n_params
+    unit, size = memory_unit(baseline)
     strategies = list(strategies)
     width = max([11] + [len(name) for name in strategies])
     header = (f"{'strategy':<{width}} {'weights':>7} {'grads':>5} {'states':>6} {'comp':>4} "
-              f"{'B/param':>7} {'total GB':>9} {'vs mixed':>16}  layout")
+              f"{'B/param':>7} {'total ' + unit:>9} {'vs mixed':>16}  layout")
     lines = [header, "-" * len(header)]
     for name in strategies:
         b = bytes_per_param(name, grad_dtype)
         total = b.total * n_params
         saving = baseline - total
-        vs = f"{-saving / 1e9:+.2f} GB ({-saving / baseline:+.0%})" if saving else "0"
+        vs = (f"{-saving / size:+.2f} {unit} ({-saving / baseline:+.0%})" if saving else "0")
         lines.append(
             f"{name:<{width}} {b.weights:>7} {b.gradients:>5} {_num(b.optimizer_states):>6} "
-            f"{b.compensation:>4} {_num(b.total):>7} {total / 1e9:>9.2f} {vs:>16}  {b.layout}"
+            f"{b.compensation:>4} {_num(b.total):>7} {total / size:>9.2f} {vs:>16}  {b.layout}"
         )
     return "\n".join(lines)
+
+
+def memory_unit(total_bytes: float) -> tuple[str, float]:
+    """GB (1e9 bytes) for a total of a gigabyte or more, else MB (1e6), else kB (1e3): a
+    small model's totals are not all 0.00 GB."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6)):
+        if total_bytes >= size:
+            return unit, size
+    return "kB", 1e3
 
 
 def _num(x: float) -> str:
