@@ -54,7 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"collage {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader left (`collage ... | head`): stop quietly, as a
-        # Unix tool does; stdout goes to devnull so that Python's flush at exit fails not
+        # Unix tool does; stdout goes to devnull so that Python's own flush at exit does not
+        # fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE
 
