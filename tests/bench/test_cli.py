@@ -140,6 +140,9 @@ def test_bench_train_checkpoint_activations_lowers_the_peak():
         peaks[flag] = result["rows"][0]["peak_bytes"]
     assert peaks[True] < 0.9 * peaks[None]
     assert "activation checkpointing" in train.table(result)
+    # no autocast row: its ratio columns are "-", not nan (audit, 2026-12-07)
+    row = next(line for line in train.table(result).splitlines() if line.startswith("| plus |"))
+    assert "nan" not in row and row.count("| - |") == 2
 
 
 def test_speed_worker_interleaves_the_modes(monkeypatch):

@@ -39,6 +39,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -361,6 +362,11 @@ def run(*, modes=MODES, preset="paper-small", model=None, batch=None, steps=20, 
     }
 
 
+def _ratio(value: float | None) -> str:
+    """A ratio to the autocast row, or "-" where no autocast row was run."""
+    return "-" if value is None or math.isnan(value) else f"{value:.2f}"
+
+
 def table(result: dict) -> str:
     s = result["settings"]
     m = s["model"]
@@ -378,10 +384,10 @@ def table(result: dict) -> str:
     for r in result["rows"]:
         lines.append(
             f"| {r['mode']} | {r['tokens_per_s']:.0f} | "
-            f"{r.get('tokens_per_s_vs_autocast', float('nan')):.2f} | "
+            f"{_ratio(r.get('tokens_per_s_vs_autocast'))} | "
             f"{1e3 * r['step_s']['median']:.0f} | {1e3 * r['step_s']['p90']:.0f} | "
             f"{r['peak_bytes'] / 2**20:.1f} | "
-            f"{r.get('peak_vs_autocast', float('nan')):.2f} | "
+            f"{_ratio(r.get('peak_vs_autocast'))} | "
             f"{r['persistent_bytes'] / 2**20:.1f} | "
             f"{r['peak_rss_delta_bytes'] / 2**20:.1f} |")
     lines.append("")
