@@ -245,6 +245,7 @@ def test_report_only_trains_nothing(tmp_path, capsys):
     with pytest.raises(UsageError, match="no finished run"):
         compare_module.compare(micro_config(run={"report_only": True, "seeds": 2}), out,
                                log=None)
+    assert not os.path.exists(out)  # refused before --out was made (it was left empty)
     assert main(argv + ["--resume"]) == 0
     first = _load(out)
     os.remove(os.path.join(out, "results.json"))

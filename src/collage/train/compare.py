@@ -163,10 +163,12 @@ def compare(config: Config, out_dir: str, *, log=print) -> list[dict[str, Any]]:
     With ``config.run.resume`` runs finished in ``out_dir`` are not trained again and
     interrupted ones continue from their checkpoints; ``report_only`` trains nothing.
     """
-    os.makedirs(out_dir, exist_ok=True)
     runs = plan_runs(config)
-    inits = _InitialWeights(config)
     results = _finished(config, runs, out_dir)
+    if config.run.report_only and not any(results):  # refused before --out is made
+        raise UsageError(f"--report-only: no finished run in {out_dir}/runs")
+    os.makedirs(out_dir, exist_ok=True)
+    inits = _InitialWeights(config)
     pending = [] if config.run.report_only else [i for i, r in enumerate(results) if r is None]
     n_jobs = config.run.resolved_jobs(len(pending) or 1)
     threads = config.run.threads_per_run(len(runs))  # (not len(pending): bit for bit)
