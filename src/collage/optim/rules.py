@@ -251,9 +251,9 @@ class AdamWRule(Rule):
     def coefficients(self, group: Mapping, step: int) -> dict[str, float]:
         c = super().coefficients(group, step)
         lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            c.update(_tensor_lr_coefficients(lr, group["weight_decay"],
-                                             1 - group["betas"][0]**step))
+        if isinstance(lr, torch.Tensor):  # its terms on the host, as Python floats
+            terms = self.tensor_lr_coefficients(group, lr.detach().to("cpu").reshape(()), step)
+            c.update({key: float(value) for key, value in terms.items()})
         return c
 
     def tensor_lr_coefficients(self, group: Mapping, lr: torch.Tensor, step) -> dict:
@@ -317,26 +317,19 @@ class AdamWRule(Rule):
         _adamw_feed_back(states, error, denom * c["one_minus_beta1"], gain)
 
 
-def _tensor_lr_coefficients(lr: torch.Tensor, weight_decay: float,
-                            bias_correction1: float) -> dict[str, float]:
+def tensor_lr_terms(lr: torch.Tensor, weight_decay: float, bias_correction1
+                    ) -> dict[str, torch.Tensor]:
     """``decay`` and ``step_size`` as torch.optim.AdamW computes them from a tensor learning
     rate: with tensor operations in the tensor's dtype (``1 - lr * wd`` and ``lr / (1 -
     beta1**t)`` each rounded to float32 for a float32 ``lr``), where a Python float ``lr``
     gives float64 values rounded once. The same operations on the same values: the fp32
     strategy stays torch's bit for bit with a tensor ``lr`` too. ``lr_wd`` stays float64
-    (``Strategy.land``: the digits of a small decay that ``1 - decay`` would lose)."""
-    lr = lr.detach().to("cpu").reshape(())
-    return {key: float(value) for key, value
-            in tensor_lr_terms(lr, weight_decay, bias_correction1).items()}
+    (``Strategy.land``: the digits of a small decay that ``1 - decay`` would lose).
 
-
-def tensor_lr_terms(lr: torch.Tensor, weight_decay: float, bias_correction1
-                    ) -> dict[str, torch.Tensor]:
-    """:func:`_tensor_lr_coefficients`'s terms as tensors, on ``lr``'s device:
-    ``bias_correction1`` a number (the host) or one float64 value per counter (the Triton
-    path's device coefficients). Either way it is first rounded to ``lr``'s dtype, as torch
-    rounds a Python number in an operation with a float32 tensor; then the quotient and the
-    decay are ``lr``'s dtype's operations: the same bits on both paths."""
+    Tensors on ``lr``'s device: ``bias_correction1`` a number (the host) or one float64
+    value per counter (the Triton path's device coefficients). Either way it is first
+    rounded to ``lr``'s dtype, as torch rounds a Python number in an operation with a
+    float32 tensor: the same bits on both paths."""
     bias = torch.as_tensor(bias_correction1, device=lr.device).to(lr.dtype)
     out = {"step_size": lr / bias}
     if weight_decay != 0:  # torch decays only then (and 1 - lr * 0 is 1 in any dtype)
