@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import collage
-from collage.optim import get_strategy, kernels
+from collage.optim import admission, edits, get_strategy, kernels
 
 BF16 = torch.bfloat16
 FP16 = torch.float16
@@ -148,3 +148,19 @@ def roundtrip(obj: Any) -> Any:
     torch.save(obj, buffer)
     buffer.seek(0)
     return torch.load(buffer)
+
+
+class Rederivations:
+    """Counts re-derivations (every one goes through ``edits.rederive``, also where
+    ``admission`` calls it)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        original = edits.rederive
+
+        def counted(*args):
+            self.count += 1
+            original(*args)
+
+        monkeypatch.setattr(edits, "rederive", counted)
+        monkeypatch.setattr(admission, "rederive", counted)

@@ -32,12 +32,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import collage
 from collage.optim import compiled, edits, get_strategy
-from collage.optim import admission
 from collage.optim.group import Item
 from collage.optim.native import plan as native_plan
 from collage.optim.triton import launch as launches
 
-from ._common import BF16, FP32, bits, represented, snapshot
+from ._common import BF16, FP32, Rederivations, bits, represented, snapshot
 
 PATHS = {"reference": {"reference": True}, "per_tensor": {"foreach": False},
          "foreach": {"foreach": True}, "fused": {"fused": True}}
@@ -373,21 +372,6 @@ def test_a_write_through_data_is_not_seen() -> None:
 
 # ------------------------------------------------------------------ not an edit
 
-class _Rederivations:
-    """Counts re-derivations (every one goes through ``edits.rederive``)."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.count = 0
-        original = edits.rederive
-
-        def counted(*args):
-            self.count += 1
-            original(*args)
-
-        monkeypatch.setattr(edits, "rederive", counted)
-        monkeypatch.setattr(admission, "rederive", counted)
-
-
 def _detection_off(monkeypatch) -> None:
     monkeypatch.setattr(edits.WriteLog, "rederive_edited", lambda *args, **kwargs: False)
     monkeypatch.setattr(edits.WriteLog, "note", lambda *args: None)
@@ -424,7 +408,7 @@ def _busy_run(strategy: str, path: str) -> dict:
 @pytest.mark.parametrize("strategy", _strategies(collage.AdamW))
 def test_a_run_without_edits_is_bit_for_bit_the_same(strategy: str, path: str,
                                                      monkeypatch) -> None:
-    rederived = _Rederivations(monkeypatch)
+    rederived = Rederivations(monkeypatch)
     got = _busy_run(strategy, path)
     assert rederived.count == 0
     with monkeypatch.context() as off:
