@@ -48,6 +48,20 @@ from collage.train.models import build_model
           "--lrs-strategies", "plus"], "--lrs: none of --lrs-strategies (plus) is compared"),
         (["train", "--data", "EMPTY"], "the training text (0 tokens from file"),
         (["compare", "--beta2s", "0.95", "0.95"], "--beta2s: a beta2 is listed twice"),
+        # flags that would have no effect (they were accepted and ignored; audit 2026-12-07)
+        (["train", "--dataset-config", "wikitext-2-raw-v1"],
+         "--dataset-config: applies to --dataset, which is not given"),
+        (["compare", "--data", "EMPTY", "--text-column", "body"],
+         "--text-column: applies to --dataset, which is not given"),
+        (["train", "--dataset-split", "test"], "--dataset-split: applies to --dataset"),
+        (["train", "--dataset", "EMPTY", "--dataset-config", "raw"],
+         "is a local file or directory; a configuration name applies to a Hugging Face hub"),
+        (["train", "--vocab-size", "100"], "--vocab-size: applies to --tokenizer bpe"),
+        (["compare", "--mlm-probability", "0.2"],
+         "--mlm-probability: only the masked LM (--family bert) masks tokens; this run's "
+         "family is gpt"),
+        (["compare", "--checkpoint-every", "5"],
+         "--checkpoint-every: compare keeps its runs' checkpoints only with --resume"),
     ],
 )
 def test_bad_input_is_one_line(argv, message, capsys, tmp_path):
@@ -76,6 +90,22 @@ def test_beta2_on_the_command_line_overrides_the_presets_beta2_sweep():
     assert config.run.beta2s == (0.98,)
     assert config_from_args(parser.parse_args(["compare", "--preset", "paper-small"]),
                             "compare").run.beta2s == (0.95, 0.999)
+
+
+def test_flags_that_take_effect_are_accepted():
+    """The flags refused above where they would do nothing are accepted where they act; a
+    preset's own values are not requests (study's --checkpoint-every under --no-resume)."""
+    parser = build_parser()
+    for command, argv in [
+        ("train", ["--family", "bert", "--mlm-probability", "0.2"]),
+        ("train", ["--tokenizer", "bpe", "--vocab-size", "1024"]),
+        ("compare", ["--resume", "--checkpoint-every", "5"]),
+        ("compare", ["--preset", "study", "--no-resume"]),
+        ("train", ["--dataset", "wikitext", "--dataset-config", "wikitext-2-raw-v1",
+                   "--dataset-split", "test", "--text-column", "body"]),
+    ]:
+        config = config_from_args(parser.parse_args([command, *argv]), command)
+        assert config.data.batch_size > 0, argv
 
 
 def test_bad_input_from_the_shell_has_no_traceback(tmp_path):

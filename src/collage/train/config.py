@@ -183,7 +183,7 @@ class DataConfig:
         if self.tokenizer not in TOKENIZERS:
             _fail("data", "tokenizer", f"unknown tokenizer {self.tokenizer!r}; valid: "
                   + ", ".join(TOKENIZERS))
-        if self.vocab_size < 512:  # the 256 bytes and enough merges to be worth a BPE
+        if self.tokenizer == "bpe" and self.vocab_size < 512:  # 256 bytes and some merges
             _fail("data", "vocab_size", f"must be at least 512, got {self.vocab_size}")
         if self.path is not None and self.path != STDLIB:
             if not os.path.exists(self.path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from typing import Any
@@ -127,6 +128,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> Config:
         changes.setdefault("run", {})["beta2s"] = ()
     config = config.replace(**changes)
     _check_learning_rate_sweep(config, given_run)
+    _check_flags_take_effect(config, changes, command)
     return config
 
 
@@ -139,3 +141,29 @@ def _check_learning_rate_sweep(config: Config, given_run: dict[str, Any]) -> Non
         raise UsageError(f"--lrs: none of --lrs-strategies ({', '.join(run.lrs_strategies)}) "
                          f"is compared ({', '.join(run.strategy_list())}), so no run would use "
                          "it; name a compared strategy in --lrs-strategies, or leave it out")
+
+
+def _check_flags_take_effect(config: Config, changes: dict[str, dict[str, Any]],
+                             command: str) -> None:
+    """A flag given on the command line that the run would not use is refused, naming what
+    it needs (a preset's own values are not checked: they are defaults, not requests)."""
+    data, given_data = config.data, changes.get("data", {})
+    for name in ("dataset_config", "dataset_split", "text_column"):
+        if name in given_data and data.dataset is None:
+            raise UsageError(f"--{name.replace('_', '-')}: applies to --dataset, which is not "
+                             "given")
+    if "dataset_config" in given_data and data.dataset and os.path.exists(data.dataset):
+        raise UsageError(f"--dataset-config: {data.dataset!r} is a local file or directory; "
+                         "a configuration name applies to a Hugging Face hub dataset, leave "
+                         "it out")
+    if "vocab_size" in given_data and data.tokenizer == "bytes":
+        raise UsageError("--vocab-size: applies to --tokenizer bpe (the bytes tokenizer has "
+                         "its 257 ids)")
+    if "mlm_probability" in given_data and config.model.family != "bert":
+        raise UsageError(f"--mlm-probability: only the masked LM (--family bert) masks "
+                         f"tokens; this run's family is {config.model.family}")
+    given_run = changes.get("run", {})
+    if (command == "compare" and given_run.get("checkpoint_every")
+            and not config.run.resume):
+        raise UsageError("--checkpoint-every: compare keeps its runs' checkpoints only with "
+                         "--resume; add --resume, or leave it out")
