@@ -417,17 +417,6 @@ def test_disabled_by_environment(fresh_loader, monkeypatch, calls) -> None:
     assert "COLLAGE_NATIVE" in native.info()["reason"]
 
 
-def test_cache_is_reused(fresh_loader) -> None:
-    assert native.available()
-    first = native.info()
-    assert first["compiled"] and first["path"].startswith(str(fresh_loader))
-    assert not list((fresh_loader / "native").glob(".native_adamw-*"))  # no temporaries
-    build._reset()
-    assert native.available()
-    second = native.info()
-    assert not second["compiled"] and second["path"] == first["path"]
-
-
 def test_c_source_ships_with_the_package() -> None:
     """pyproject.toml's package-data includes every C source (the loader needs them), and
     every C file beside them is one of them (the cache key hashes ``SOURCES``)."""
@@ -463,7 +452,11 @@ def test_compiler_without_openmp_falls_back_to_the_thread_pool(fresh_loader, mon
                                                                tmp_path_factory) -> None:
     """A compiler that refuses -fopenmp: the next flag set builds, with no warning; its
     threaded steps (the Python pool: tensors cut every 64 elements) give the bits of one
-    thread."""
+    thread. The flag sets are the portable one with and without OpenMP: the fallback does
+    not depend on the target flags, and they compile in seconds (-march=native: 20-30 s)."""
+    portable = build._FLAGS[-1]
+    monkeypatch.setattr(build, "_FLAGS", ((*portable[:-2], "-fopenmp", *portable[-2:]),
+                                          portable))
     wrapper = tmp_path_factory.mktemp("cc") / "cc-no-openmp"
     wrapper.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\n'
                        f'exec {shutil.which(build._compiler()[0])} "$@"\n')

@@ -204,7 +204,8 @@ def test_library_without_a_record_is_rebuilt_silently(tmp_path, good, monkeypatc
 
 def test_normal_path_is_private_and_reused_by_a_fresh_process(tmp_path, monkeypatch) -> None:
     """An empty cache under umask 0: the directories are made 0700 and the files 0600
-    anyway, and a fresh process loads the library without compiling or warning."""
+    anyway, no temporary file is left, and this process (its loader reset) and a fresh
+    one load the library without compiling or warning."""
     root = tmp_path / "cache" / "home"
     old_umask = os.umask(0)
     try:
@@ -215,8 +216,13 @@ def test_normal_path_is_private_and_reused_by_a_fresh_process(tmp_path, monkeypa
     assert info["compiled"] and caught == [] and library.parent == root / "native"
     for directory in (root.parent, root, root / "native"):
         assert stat.S_IMODE(os.lstat(directory).st_mode) == 0o700, directory
+    # the library and its record, no temporary left behind
+    assert sorted(path.name for path in library.parent.iterdir()) == sorted(
+        [library.name, library.name + ".sha256"])
     for path in library.parent.iterdir():
         assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600, path
+    again, caught = _load(root, monkeypatch)  # this process, the loader reset: no compile
+    assert again["path"] == str(library) and again["compiled"] is False and caught == []
     code = ("import json; from collage.optim.native import build; "
             f"build._FLAGS = {PORTABLE!r}; print(json.dumps(build.info()))")
     done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code],
