@@ -291,8 +291,8 @@ class RunConfig:
                           "many times faster on CPUs without bf16 instructions), auto (fp32 "
                           "when a timed probe finds bf16 GEMMs slow; docs/compare.md)",
                           choices=GEMM_MODES, commands=("train", "compare"))
-    out: str | None = _opt(None, "output directory (none: runs/<command>-<preset>, and -<strategy> for train)",
-                           metavar="DIR")
+    out: str | None = _opt(None, "output directory (none: runs/<command>-<preset>, and "
+                           "-<strategy> for train)", metavar="DIR")
     quiet: bool = _opt(False, "no progress bar")
     strategies: tuple[str, ...] = _opt((), "strategies to compare (none: the eight of the "
                                        "main report; 'plus8' and 'torchao-adamw8bit' are opt-in)",

@@ -37,6 +37,7 @@ __all__ = [
     "builtin_text",
     "stdlib_files",
     "vocab_size",
+    "dataset_name",
     "encode",
     "decode",
     "load_corpus",
@@ -301,6 +302,11 @@ def _held_out(index: int, val_fraction: float) -> bool:
     return int((index + 1) * val_fraction) > int(index * val_fraction)
 
 
+def dataset_name(cfg: DataConfig) -> str:
+    """``dataset NAME (CONFIG)``: --dataset and its --dataset-config, as the flags name them."""
+    return f"dataset {cfg.dataset}" + (f" ({cfg.dataset_config})" if cfg.dataset_config else "")
+
+
 def _byte_split(cfg: DataConfig) -> tuple[torch.Tensor, torch.Tensor, str]:
     """``(train bytes, validation bytes, description)`` of the text named by ``cfg``."""
     if cfg.path == STDLIB:
@@ -308,10 +314,7 @@ def _byte_split(cfg: DataConfig) -> tuple[torch.Tensor, torch.Tensor, str]:
     if cfg.path is not None:
         data, source = _read_file(cfg.path, cfg.max_bytes), f"file {os.path.abspath(cfg.path)}"
     elif cfg.dataset is not None:
-        data, source = _load_dataset(cfg), f"dataset {cfg.dataset}"
-        if cfg.dataset_config:
-            source += f" ({cfg.dataset_config})"
-        source += f" [{cfg.dataset_split}]"
+        data, source = _load_dataset(cfg), f"{dataset_name(cfg)} [{cfg.dataset_split}]"
     else:
         data, source = builtin_text().encode("utf-8"), "built-in: Python's pydoc_data.topics"
     if cfg.max_bytes is not None:

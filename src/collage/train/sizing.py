@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import Config, DataConfig, ModelConfig
-from .data import vocab_size
+from .data import dataset_name, vocab_size
 from .models import build_model
 from .runs import Run, plan_runs
 
@@ -153,10 +153,7 @@ def plan_of(config: Config) -> Plan:
 
 def _source(data: DataConfig) -> str:
     """Where the text comes from, as the flags name it."""
-    if data.dataset is not None:
-        return f"dataset {data.dataset}" + (f" ({data.dataset_config})"
-                                            if data.dataset_config else "")
-    return data.path or "built-in"
+    return dataset_name(data) if data.dataset is not None else data.path or "built-in"
 
 
 def format_plan(plan: Plan) -> str:
